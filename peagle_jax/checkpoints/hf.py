@@ -1,0 +1,108 @@
+"""HF safetensors checkpoints (config.json + one file or a sharded index) -> CausalLM.
+
+HF names map to ours by a declarative table of regexes; torch's Linear stores [out, in] and
+we store [in, out], so every projection is transposed. Routed experts are accepted both in
+the hub layout (`mlp.experts.{e}.gate_proj.weight`) and in transformers 5's fused layout
+(`mlp.experts.gate_up_proj` [E, 2I, D]).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+
+from peagle_jax.checkpoints.params import CheckpointError, assign_params
+from peagle_jax.models.config import ModelConfig
+from peagle_jax.models.transformer import CausalLM
+
+# (HF regex, our path template, transpose?)
+_KEY_MAP: list[tuple[str, str, bool]] = [
+    (r"model\.embed_tokens\.weight", "embed_tokens", False),
+    (r"lm_head\.weight", "lm_head", True),
+    (r"model\.norm\.weight", "norm.weight", False),
+    (r"model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight", r"layers.\1.\2.weight", False),
+    (r"model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.weight", r"layers.\1.self_attn.\2_proj.kernel", True),
+    (r"model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.bias", r"layers.\1.self_attn.\2_proj.bias", False),
+    (r"model\.layers\.(\d+)\.self_attn\.([qk])_norm\.weight", r"layers.\1.self_attn.\2_norm.weight", False),
+    (r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.\2_proj.kernel", True),
+    (r"model\.layers\.(\d+)\.mlp\.gate\.weight", r"layers.\1.mlp.gate.kernel", True),
+]
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+_FUSED_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({model_dir / f for f in weight_map.values()})
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    missing = [str(f) for f in files if not f.exists()]
+    if missing:
+        raise FileNotFoundError(f"safetensors index names files that do not exist: {missing}")
+    return files
+
+
+def convert_hf_tensors(named: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """HF tensor names/layouts -> our parameter paths/layouts. Unknown names raise."""
+    out: dict[str, np.ndarray] = {}
+    experts: dict[tuple[int, str], dict[int, np.ndarray]] = defaultdict(dict)
+    unknown = []
+    for name, arr in named.items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue  # a buffer some exporters save; recomputed from the config
+        if m := _EXPERT.fullmatch(name):
+            experts[(int(m[1]), m[3])][int(m[2])] = arr.T
+            continue
+        if m := _FUSED_EXPERT.fullmatch(name):
+            layer = int(m[1])
+            if m[2] == "gate_up_proj":  # [E, 2I, D] -> gate/up [E, D, I]
+                gate, up = np.split(arr, 2, axis=1)
+                out[f"layers.{layer}.mlp.gate_proj"] = np.swapaxes(gate, 1, 2)
+                out[f"layers.{layer}.mlp.up_proj"] = np.swapaxes(up, 1, 2)
+            else:  # [E, D, I] -> [E, I, D]
+                out[f"layers.{layer}.mlp.down_proj"] = np.swapaxes(arr, 1, 2)
+            continue
+        for pattern, template, transpose in _KEY_MAP:
+            if re.fullmatch(pattern, name):
+                out[re.sub(pattern, template, name)] = arr.T if transpose else arr
+                break
+        else:
+            unknown.append(name)
+    if unknown:
+        raise CheckpointError(f"checkpoint has tensors this loader does not know: {unknown}")
+    for (layer, kind), per_expert in experts.items():
+        if sorted(per_expert) != list(range(cfg.num_experts)):
+            raise CheckpointError(
+                f"layer {layer} {kind}_proj: experts {sorted(per_expert)} present, expected 0..{cfg.num_experts - 1}"
+            )
+        out[f"layers.{layer}.mlp.{kind}_proj"] = np.stack([per_expert[e] for e in range(cfg.num_experts)])
+    if cfg.tie_word_embeddings:
+        out.pop("lm_head", None)  # tied: some exporters still write a copy
+    return out
+
+
+def load_hf_model(model_dir: str | Path, *, dtype: str = "float32") -> CausalLM:
+    """Load a CausalLM from an HF directory with config.json and safetensors weights."""
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").exists():
+        raise FileNotFoundError(f"{model_dir} has no config.json")
+    cfg = ModelConfig.from_json_file(model_dir / "config.json", dtype=dtype)
+    named: dict[str, np.ndarray] = {}
+    for f in _safetensors_files(model_dir):
+        # framework="flax" reads bf16 too (numpy has no bfloat16 dtype of its own).
+        with safe_open(str(f), framework="flax") as fh:
+            for key in fh.keys():
+                named[key] = np.asarray(fh.get_tensor(key), dtype=np.float32)
+    model = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
+    assign_params(model, convert_hf_tensors(named, cfg), source=str(model_dir))
+    return model

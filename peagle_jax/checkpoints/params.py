@@ -1,0 +1,60 @@
+"""Fill an NNX module's parameters from a flat {path: array} dict, validating everything."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not fit the model: lists every offending key at once."""
+
+
+def param_paths(module: nnx.Module) -> dict[str, nnx.Param]:
+    """Dotted path -> Param for every parameter of `module` (e.g. 'layers.0.mlp.up_proj.kernel')."""
+    out: dict[str, nnx.Param] = {}
+    for path, node in nnx.iter_graph(module):
+        if isinstance(node, nnx.Param):
+            out[".".join(str(p) for p in path)] = node
+    return out
+
+
+def assign_params(
+    module: nnx.Module,
+    tensors: Mapping[str, np.ndarray],
+    *,
+    dtype=None,
+    source: str = "checkpoint",
+    optional: Iterable[str] = (),
+) -> None:
+    """Set every Param of `module` from `tensors` (already in our layout and naming).
+
+    Missing, unexpected or mis-shaped tensors raise one CheckpointError naming them all;
+    nothing is assigned in that case. Keys in `optional` may be absent (they keep their
+    current value, which must then be concrete).
+    """
+    params = param_paths(module)
+    optional = set(optional)
+    missing = sorted(k for k in params if k not in tensors and k not in optional)
+    unexpected = sorted(k for k in tensors if k not in params)
+    bad_shape = [
+        f"{k}: checkpoint {tuple(np.shape(v))} vs model {tuple(params[k].value.shape)}"
+        for k, v in tensors.items()
+        if k in params and tuple(np.shape(v)) != tuple(params[k].value.shape)
+    ]
+    if missing or unexpected or bad_shape:
+        lines = [f"{source} does not match the model:"]
+        if missing:
+            lines.append(f"  missing ({len(missing)}): {', '.join(missing)}")
+        if unexpected:
+            lines.append(f"  unexpected ({len(unexpected)}): {', '.join(unexpected)}")
+        if bad_shape:
+            lines.append(f"  wrong shape ({len(bad_shape)}): " + "; ".join(bad_shape))
+        raise CheckpointError("\n".join(lines))
+    for k, v in tensors.items():
+        p = params[k]
+        target_dtype = dtype if dtype is not None else p.value.dtype
+        p.value = jnp.asarray(v, dtype=target_dtype)

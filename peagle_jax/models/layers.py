@@ -1,0 +1,164 @@
+"""Building blocks shared by the target models and the draft head (Flax NNX)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from kernels_pallas import cache_attention
+from peagle_jax.cache import LayerKV, write_rows
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm computed in fp32, as HF Llama/Qwen do, then cast back."""
+
+    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * xf.astype(x.dtype)
+
+
+class Linear(nnx.Module):
+    """y = x @ W (+ b), W stored [in, out] (the transpose of torch's [out, in])."""
+
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs, std: float = 0.02):
+        self.kernel = nnx.Param(std * jax.random.normal(rngs.params(), (d_in, d_out), dtype))
+        self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+
+    def __call__(self, x: Float[Array, "... I"]) -> Float[Array, "... O"]:
+        y = x @ self.kernel[...]
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None) -> jax.Array:
+    """Inverse frequencies, including HF's llama3 and linear scaling rules."""
+    inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if not scaling:
+        return inv
+    s = dict(scaling)
+    rtype = s.get("rope_type", s.get("type"))
+    factor = float(s.get("factor", 1.0))
+    if rtype == "linear":
+        return inv / factor
+    if rtype == "llama3":
+        low, high = float(s["low_freq_factor"]), float(s["high_freq_factor"])
+        old_ctx = float(s["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        scaled = jnp.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return jnp.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope scaling {rtype!r}")
+
+
+def apply_rope(
+    x: Float[Array, "B T N D"], positions: Int[Array, "B T"], inv_freq: Float[Array, "D2"]
+) -> Float[Array, "B T N D"]:
+    """Rotary embedding in HF's rotate-half layout (first and second halves pair up)."""
+    freqs = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
+    cos = jnp.cos(freqs)[:, :, None, :]
+    sin = jnp.sin(freqs)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """GQA self-attention over a KV cache indexed by absolute position."""
+
+    def __init__(
+        self,
+        d_in: int,
+        d_model: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        eps: float,
+        rope_theta: float,
+        rope_scaling: tuple | None,
+        dtype,
+        rngs: nnx.Rngs,
+    ):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = Linear(d_in, num_heads * head_dim, bias=qkv_bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(d_in, num_kv_heads * head_dim, bias=qkv_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(d_in, num_kv_heads * head_dim, bias=qkv_bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(num_heads * head_dim, d_model, bias=o_bias, dtype=dtype, rngs=rngs)
+        self.q_norm = RMSNorm(head_dim, eps, dtype=dtype) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps, dtype=dtype) if qk_norm else None
+        self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
+        self.attn_impl: str | None = None  # kernels_pallas implementation name; None = XLA
+
+    def __call__(
+        self, x: Float[Array, "B T Din"], positions: Int[Array, "B T"], kv: LayerKV
+    ) -> tuple[Float[Array, "B T D"], LayerKV]:
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # constant-folded
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        kv = LayerKV(write_rows(kv.k, k, positions), write_rows(kv.v, v, positions))
+        out = cache_attention(q, kv.k, kv.v, positions, implementation=self.attn_impl)
+        return self.o_proj(out.reshape(b, t, -1)), kv
+
+
+class MLP(nnx.Module):
+    """SiLU-gated feed-forward block."""
+
+    def __init__(self, d_model: int, d_ff: int, *, dtype, rngs: nnx.Rngs):
+        self.gate_proj = Linear(d_model, d_ff, bias=False, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(d_model, d_ff, bias=False, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(d_ff, d_model, bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nnx.Module):
+    """Routed top-k experts (Qwen3-MoE): softmax router, optional top-k renormalisation.
+
+    Experts are stacked [E, ...] and evaluated densely with routing weights that are zero
+    outside the top-k. That is exact and compiles to a few einsums; a grouped (ragged_dot)
+    path is the better choice once expert counts and batch sizes grow on GPU.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, norm_topk_prob: bool,
+                 *, dtype, rngs: nnx.Rngs, std: float = 0.02):
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.gate = Linear(d_model, num_experts, bias=False, dtype=dtype, rngs=rngs)
+        init = lambda shape: nnx.Param(std * jax.random.normal(rngs.params(), shape, dtype))
+        self.gate_proj = init((num_experts, d_model, d_ff))
+        self.up_proj = init((num_experts, d_model, d_ff))
+        self.down_proj = init((num_experts, d_ff, d_model))
+
+    def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+        router_probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)  # [B,T,E]
+        top_w, top_i = jax.lax.top_k(router_probs, self.top_k)
+        if self.norm_topk_prob:
+            top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+        e = router_probs.shape[-1]
+        weights = jnp.sum(jax.nn.one_hot(top_i, e, dtype=jnp.float32) * top_w[..., None], axis=-2)
+        h = jax.nn.silu(jnp.einsum("btd,edf->btef", x, self.gate_proj[...]))
+        h = h * jnp.einsum("btd,edf->btef", x, self.up_proj[...])
+        y = jnp.einsum("btef,efd->bted", h, self.down_proj[...])
+        return jnp.einsum("bted,bte->btd", y, weights.astype(x.dtype))

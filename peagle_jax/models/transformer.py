@@ -1,0 +1,126 @@
+"""Decoder-only causal LM (llama, qwen2, qwen3, qwen3_moe) as one Flax NNX module.
+
+The families differ only in switches of `ModelConfig`: q/k/v biases (qwen2), q/k RMSNorm
+(qwen3), routed experts (qwen3_moe), rope scaling (llama3). Layers are unrolled (a Python
+loop inside jit): on XLA CPU that ran ~30% faster than `lax.scan` with the cache as carry.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from peagle_jax.cache import KVCache
+from peagle_jax.models.config import ModelConfig
+from peagle_jax.models.layers import MLP, Attention, MoE, RMSNorm
+
+
+class ForwardOutput(NamedTuple):
+    logits: Float[Array, "B R V"] | None  # R = T, or the rows picked by `logit_rows`
+    cache: KVCache
+    aux_hidden: Float[Array, "B T A"] | None  # EAGLE-3 taps, concatenated (A = 3 * D)
+    final_hidden: Float[Array, "B T D"] | None  # after the final norm (lm_head input)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(
+            cfg.hidden_size, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.head_dim,
+            qkv_bias=cfg.attention_bias,
+            o_bias=cfg.attention_bias and cfg.architecture == "llama",
+            qk_norm=cfg.qk_norm, eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+            rope_scaling=cfg.rope_scaling, dtype=dtype, rngs=rngs,
+        )
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        if cfg.is_moe_layer(layer_idx):
+            self.mlp = MoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                           cfg.num_experts_per_tok, cfg.norm_topk_prob, dtype=dtype, rngs=rngs)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, positions, kv):
+        h, kv = self.self_attn(self.input_layernorm(x), positions, kv)
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, kv
+
+
+class CausalLM(nnx.Module):
+    """Target LM. `__call__` runs T new tokens per sequence through the KV cache."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = cfg
+        dtype = jnp.dtype(cfg.dtype)
+        self.embed_tokens = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.hidden_size, cfg.vocab_size), dtype))
+
+    def init_cache(self, batch_size: int, capacity: int, dtype=None) -> KVCache:
+        cfg = self.config
+        return KVCache.zeros(cfg.num_hidden_layers, batch_size, capacity, cfg.num_key_value_heads,
+                             cfg.head_dim, dtype or jnp.dtype(cfg.dtype))
+
+    def embed(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
+        return jnp.take(self.embed_tokens[...], tokens, axis=0)
+
+    def lm_head_weight(self) -> Float[Array, "D V"]:
+        return self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
+
+    def logits(self, hidden: Float[Array, "... D"]) -> Float[Array, "... V"]:
+        return (hidden @ self.lm_head_weight()).astype(jnp.float32)
+
+    def __call__(
+        self,
+        tokens: Int[Array, "B T"],
+        positions: Int[Array, "B T"],
+        cache: KVCache,
+        *,
+        logit_rows: Int[Array, "B R"] | None = None,
+        return_aux: bool = False,
+        return_final_hidden: bool = False,
+        compute_logits: bool = True,
+    ) -> ForwardOutput:
+        """Process T tokens at absolute `positions`, writing their K/V into `cache`.
+
+        `logit_rows` picks the rows whose logits are computed (e.g. the last real prompt
+        token): the lm_head is a large part of a small model's cost.
+        """
+        aux_ids = set(self.config.eagle_aux_layer_ids) if return_aux else set()
+        x = self.embed(tokens)
+        taps: dict[int, jax.Array] = {}
+        new_layers = []
+        for i, layer in enumerate(self.layers):
+            if i in aux_ids:
+                taps[i] = x  # residual stream entering layer i
+            x, kv = layer(x, positions, cache.layers[i])
+            new_layers.append(kv)
+        h = self.norm(x)
+        logits = None
+        if compute_logits:
+            sel = h if logit_rows is None else jnp.take_along_axis(h, logit_rows[..., None], axis=1)
+            logits = self.logits(sel)
+        aux = None
+        if return_aux:
+            aux = jnp.concatenate([taps[i] for i in self.config.eagle_aux_layer_ids], axis=-1)
+        return ForwardOutput(
+            logits=logits,
+            cache=cache._replace(layers=tuple(new_layers)),
+            aux_hidden=aux,
+            final_hidden=h if return_final_hidden else None,
+        )
+
+
+def create_model(cfg: ModelConfig, seed: int = 0) -> CausalLM:
+    """A randomly initialised model (tests, benchmarks with synthetic weights)."""
+    return CausalLM(cfg, rngs=nnx.Rngs(params=seed))

@@ -1,0 +1,193 @@
+"""Token sampling and lossless speculative verification.
+
+Everything here is pure jnp with static shapes, so it can run inside a jitted
+`lax.while_loop`. Sampling settings are per-sequence arrays ([B]) rather than Python
+scalars, so one batch can mix greedy and sampled requests with different settings.
+
+Conventions:
+  temperature [B] f32   0 means greedy (argmax)
+  top_k       [B] i32   0 or >= V means off
+  top_p       [B] f32   1.0 means off
+  draft_tokens [B, K] are the K speculated tokens; target rows [B, K+1] score the
+  positions after each prefix (row K gives the bonus token when all K are accepted).
+
+Verification follows Leviathan et al. 2023 ("Fast Inference from Transformers via
+Speculative Decoding") with vLLM's rejection-sampler acceptance rule, so the emitted tokens
+are distributed exactly as if sampled from the (processed) target distribution.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+
+def _greedy_rows(temperature: Float[Array, "B"]) -> Array:
+    # `<= 0` rather than `== 0` so a stray negative temperature means greedy, not NaN.
+    return temperature <= 0.0
+
+
+def _finite_max(x: Float[Array, "... V"]) -> Float[Array, "... 1"]:
+    """Row max with all--inf rows mapped to 0, so `x - max` never produces inf - inf."""
+    m = jnp.max(x, axis=-1, keepdims=True)
+    return jnp.where(jnp.isfinite(m), m, 0.0)
+
+
+def process_logits(
+    logits: Float[Array, "B R V"],
+    temperature: Float[Array, "B"],
+    top_k: Int[Array, "B"],
+    top_p: Float[Array, "B"],
+) -> Float[Array, "B R V"]:
+    """Distribution the sampler draws from: temperature, then top-k, then top-p, renormalised.
+
+    Greedy rows (temperature 0) get the one-hot of the argmax (lowest index on ties).
+    Ties at the top-k / top-p boundary are all kept (like HF/vLLM's threshold masking).
+    """
+    x = logits.astype(jnp.float32)
+    v = x.shape[-1]
+    greedy = _greedy_rows(temperature)[:, None, None]
+    t = jnp.where(greedy, 1.0, temperature.astype(jnp.float32)[:, None, None])
+    # Shift by the max *before* dividing: logits / tiny_t alone can overflow to inf, and
+    # inf - inf is NaN. After the shift the top token sits at 0 and the rest are <= 0.
+    x = (x - _finite_max(x)) / t
+
+    # One descending sort serves both filters: top-k masking removes a tail of the sorted
+    # order, so the order of the surviving probabilities is the same as of the logits.
+    srt = -jnp.sort(-x, axis=-1)  # [B, R, V] descending
+    k = top_k.astype(jnp.int32)
+    k = jnp.where((k <= 0) | (k >= v), v, k)[:, None, None]
+    kth = jnp.take_along_axis(srt, k - 1, axis=-1)  # value of the k-th largest logit
+    srt = jnp.where(srt >= kth, srt, -jnp.inf)
+
+    # Nucleus: keep sorted token j while the mass strictly before it is < top_p; the top
+    # token always has 0 mass before it, and the count is clamped to >= 1 for top_p <= 0.
+    sp = jax.nn.softmax(srt, axis=-1)
+    mass_before = jnp.cumsum(sp, axis=-1) - sp
+    p = top_p.astype(jnp.float32)[:, None, None]
+    n_keep = jnp.sum(mass_before < p, axis=-1, keepdims=True)
+    # top_p >= 1 is exactly "off": fp32 cumsum can reach 1.0 early and drop tiny tokens.
+    n_keep = jnp.where(p >= 1.0, v, jnp.clip(n_keep, 1, v))
+    # Compare in logit space against the last kept logit: exact, no softmax rounding.
+    thresh = jnp.take_along_axis(srt, n_keep - 1, axis=-1)
+    keep = (x >= thresh) & (x >= kth)
+
+    e = jnp.where(keep, jnp.exp(x), 0.0)  # x <= 0, so exp cannot overflow
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.float32)
+    # total == 0 only for a row with no finite logit; fall back to argmax instead of NaN.
+    probs = jnp.where(total > 0, e / jnp.where(total > 0, total, 1.0), one_hot)
+    return jnp.where(greedy, one_hot, probs)
+
+
+def sample_from_probs(key: PRNGKeyArray, probs: Float[Array, "B R V"]) -> Int[Array, "B R"]:
+    """Categorical draw per row. Probs need not be normalised; zero-prob tokens are never drawn."""
+    # log(0) -> -inf explicitly, so the Gumbel-max race can never pick a zero-prob token.
+    logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
+    return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
+
+
+def _num_accepted(accept: Array) -> Int[Array, "B"]:
+    """Length of the all-True prefix of accept [B, K] (= index of the first rejection)."""
+    return jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
+
+
+def accept_greedy(
+    draft_tokens: Int[Array, "B K"],
+    target_logits: Float[Array, "B K1 V"],
+) -> tuple[Int[Array, "B"], Int[Array, "B"]]:
+    """Greedy verification: accept the longest prefix matching the target argmax.
+
+    Returns (num_accepted, next_token); next_token is the target argmax at row
+    num_accepted: the correction token, or the bonus token when all K are accepted.
+    """
+    target_top = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, K+1]
+    k = draft_tokens.shape[1]
+    n = _num_accepted(draft_tokens == target_top[:, :k])
+    return n, jnp.take_along_axis(target_top, n[:, None], axis=1)[:, 0]
+
+
+def accept_rejection(
+    key: PRNGKeyArray,
+    draft_tokens: Int[Array, "B K"],
+    draft_probs: Float[Array, "B K V"] | None,
+    target_probs: Float[Array, "B K1 V"],
+) -> tuple[Int[Array, "B"], Int[Array, "B"]]:
+    """Exact speculative sampling: emitted tokens are distributed as target_probs.
+
+    Draft x_i is accepted with probability min(1, p_i(x_i) / q_i(x_i)); at the first
+    rejection a token is drawn from norm(max(0, p_i - q_i)) and the round stops; if all
+    K are accepted a bonus token is drawn from p_K. draft_probs=None means deterministic
+    drafts (q_i one-hot on x_i). Returns (num_accepted, next_token).
+    """
+    b, k = draft_tokens.shape
+    v = target_probs.shape[-1]
+    key_u, key_s = jax.random.split(key)
+    p = target_probs.astype(jnp.float32)
+    x = draft_tokens.astype(jnp.int32)
+
+    # All K acceptance tests at once. u in (0, 1] (not [0, 1)): with u == 0 possible,
+    # "p/q >= u" would accept a draft the target gives probability 0. Testing p >= u*q
+    # avoids the division and is equivalent for q > 0.
+    u = 1.0 - jax.random.uniform(key_u, (b, k), dtype=jnp.float32)
+    p_x = jnp.take_along_axis(p[:, :k], x[..., None], axis=-1)[..., 0]
+    if draft_probs is None:
+        q_x = jnp.ones_like(p_x)
+    else:
+        q_x = jnp.take_along_axis(draft_probs.astype(jnp.float32), x[..., None], axis=-1)[..., 0]
+    n = _num_accepted((q_x > 0) & (p_x >= u * q_x))
+
+    # Only the row at index n is ever sampled from, so gather it instead of building all K
+    # residuals. With q := 0 at row K the residual max(0, p_K - 0) is p_K: the bonus token
+    # falls out of the same formula.
+    p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]  # [B, V]
+    in_chain = (n < k)[:, None]
+    if draft_probs is None:
+        # One-hot q: max(0, p - onehot(x)) is p with x zeroed (p(x) <= 1).
+        x_n = jnp.take_along_axis(x, jnp.minimum(n, k - 1)[:, None], axis=1)[:, 0]
+        q_n = jax.nn.one_hot(x_n, v, dtype=jnp.float32)
+    else:
+        q_n = jnp.take_along_axis(
+            draft_probs.astype(jnp.float32), jnp.minimum(n, k - 1)[:, None, None], axis=1
+        )[:, 0]
+    residual = jnp.maximum(p_n - jnp.where(in_chain, q_n, 0.0), 0.0)
+    # p == q (numerically) leaves no residual mass; p itself is then the right fallback.
+    residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_n)
+    return n, sample_from_probs(key_s, residual[:, None, :])[:, 0]
+
+
+def verify(
+    key: PRNGKeyArray,
+    draft_tokens: Int[Array, "B K"],
+    draft_probs: Float[Array, "B K V"] | None,
+    target_logits: Float[Array, "B K1 V"],
+    temperature: Float[Array, "B"],
+    top_k: Int[Array, "B"],
+    top_p: Float[Array, "B"],
+) -> tuple[Int[Array, "B"], Int[Array, "B"]]:
+    """Per-sequence verification: greedy rows by argmax match, others by rejection sampling."""
+    n_g, t_g = accept_greedy(draft_tokens, target_logits)
+    target_probs = process_logits(target_logits, temperature, top_k, top_p)
+    n_s, t_s = accept_rejection(key, draft_tokens, draft_probs, target_probs)
+    greedy = _greedy_rows(temperature)
+    return jnp.where(greedy, n_g, n_s), jnp.where(greedy, t_g, t_s)
+
+
+def draft_from_logits(
+    key: PRNGKeyArray,
+    draft_logits: Float[Array, "B K V"],
+    temperature: Float[Array, "B"],
+    top_k: Int[Array, "B"],
+    top_p: Float[Array, "B"],
+) -> tuple[Int[Array, "B K"], Float[Array, "B K V"]]:
+    """Draft tokens and their distribution q, processed with the target's settings.
+
+    Greedy rows take the argmax (q one-hot). The K rows are sampled independently,
+    since P-EAGLE drafts the K slots in parallel.
+    """
+    probs = process_logits(draft_logits, temperature, top_k, top_p)
+    sampled = sample_from_probs(key, probs)
+    greedy = _greedy_rows(temperature)[:, None]
+    tokens = jnp.where(greedy, jnp.argmax(draft_logits, axis=-1).astype(jnp.int32), sampled)
+    return tokens, probs

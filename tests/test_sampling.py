@@ -1,0 +1,331 @@
+"""Tests for peagle_jax.sampling: logit processing, greedy and exact rejection verification."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from peagle_jax import sampling as S
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _ref_process(logits: np.ndarray, t: float, k: int, p: float) -> np.ndarray:
+    """Straightforward fp64 reference for one [V] row (temperature, top-k, top-p)."""
+    v = logits.shape[-1]
+    if t == 0:
+        out = np.zeros(v)
+        out[np.argmax(logits)] = 1.0
+        return out
+    x = logits.astype(np.float64) / t
+    if 0 < k < v:
+        x = np.where(x >= np.sort(x)[::-1][k - 1], x, -np.inf)
+    probs = np.exp(x - x.max())
+    probs /= probs.sum()
+    if p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        csum = np.cumsum(probs[order])
+        n = int(np.searchsorted(csum, p) + 1)  # smallest n with csum[n-1] >= p
+        keep = np.zeros(v, bool)
+        keep[order[: max(1, n)]] = True
+        probs = np.where(keep, probs, 0.0)
+        probs /= probs.sum()
+    return probs
+
+
+def _settings(rows):
+    t, k, p = zip(*rows)
+    return (
+        jnp.asarray(t, jnp.float32),
+        jnp.asarray(k, jnp.int32),
+        jnp.asarray(p, jnp.float32),
+    )
+
+
+def _chisq_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Chi-square goodness of fit; zero-probability cells must be empty and are dropped."""
+    counts, probs = counts.ravel(), np.asarray(probs, np.float64).ravel()
+    assert counts[probs == 0].sum() == 0, "a zero-probability outcome was emitted"
+    nz = probs > 0
+    exp = probs[nz] / probs[nz].sum() * counts.sum()
+    return stats.chisquare(counts[nz], exp).pvalue
+
+
+def _tv(counts: np.ndarray, probs: np.ndarray) -> float:
+    return 0.5 * np.abs(counts.ravel() / counts.sum() - np.asarray(probs).ravel()).sum()
+
+
+# ----------------------------------------------------------------------------- process_logits
+
+SETTINGS = [  # (temperature, top_k, top_p)
+    (1.0, 0, 1.0),  # plain softmax
+    (0.0, 0, 1.0),  # greedy
+    (0.7, 5, 1.0),  # top-k only
+    (1.0, 1, 1.0),  # top_k=1 == argmax
+    (1.3, 0, 0.9),  # top-p only
+    (1.0, 0, 1e-6),  # tiny top_p keeps only the top token
+    (0.5, 10, 0.8),  # both filters
+    (2.0, 32, 0.95),  # top_k == V is off
+    (0.9, 100, 0.5),  # top_k > V is off
+    (0.0, 3, 0.5),  # greedy ignores the filters
+]
+
+
+def test_process_logits_matches_reference():
+    b, r, v = len(SETTINGS), 3, 32
+    logits = jax.random.normal(jax.random.key(0), (b, r, v), jnp.float32) * 3.0
+    t, k, p = _settings(SETTINGS)
+    out = np.asarray(jax.jit(S.process_logits)(logits, t, k, p))
+    ln = np.asarray(logits)
+    assert out.dtype == np.float32
+    for i, (ti, ki, pi) in enumerate(SETTINGS):
+        for j in range(r):
+            ref = _ref_process(ln[i, j], ti, ki, pi)
+            np.testing.assert_allclose(out[i, j], ref, atol=2e-6, err_msg=f"row {i} {SETTINGS[i]}")
+            # Support must match exactly, not just approximately.
+            np.testing.assert_array_equal(out[i, j] > 0, ref > 0, err_msg=f"row {i} support")
+    # Spot checks of the semantics the reference encodes.
+    np.testing.assert_array_equal((out[3] > 0).sum(-1), 1)  # top_k=1
+    np.testing.assert_array_equal((out[5] > 0).sum(-1), 1)  # tiny top_p
+    np.testing.assert_array_equal((out[2] > 0).sum(-1), 5)  # top_k=5
+    np.testing.assert_array_equal(out[1].argmax(-1), ln[1].argmax(-1))
+
+
+def test_process_logits_numerically_safe():
+    v = 8
+    lone = jnp.full((v,), -jnp.inf).at[5].set(2.0)  # all -inf except one
+    big = jnp.linspace(-1e4, 1e4, v)  # large logits: logits / tiny_t would overflow
+    tie = jnp.array([0.0, 3.0, 3.0, 1.0, -1.0, 0.0, 2.0, 3.0])
+    logits = jnp.stack([lone, lone, big, big, tie, tie])[:, None, :]
+    t = jnp.array([1.0, 1e-30, 1e-30, 1e-4, 0.0, 1e-30], jnp.float32)
+    k = jnp.array([0, 3, 0, 2, 0, 0], jnp.int32)
+    p = jnp.array([0.5, 1.0, 0.9, 1.0, 1.0, 1.0], jnp.float32)
+    out = np.asarray(jax.jit(S.process_logits)(logits, t, k, p))[:, 0]
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out.sum(-1), 1.0, atol=1e-6)
+    np.testing.assert_array_equal(out[:2], np.eye(v)[[5, 5]])
+    np.testing.assert_array_equal(out[2:4], np.eye(v)[[v - 1, v - 1]])
+    np.testing.assert_array_equal(out[4], np.eye(v)[1])  # greedy tie -> lowest index
+    # Tiny temperature with a three-way tie at the top: the tie is shared evenly.
+    np.testing.assert_allclose(out[5], np.where(np.asarray(tie) == 3.0, 1 / 3, 0.0), atol=1e-6)
+
+
+def test_sample_from_probs_never_draws_zero_prob():
+    probs = jnp.array([[[0.0, 0.5, 0.0, 0.5]], [[0.0, 0.0, 1.0, 0.0]]])
+    probs = jnp.broadcast_to(probs, (2, 4096, 4))
+    toks = np.asarray(jax.jit(S.sample_from_probs)(jax.random.key(1), probs))
+    assert toks.dtype == np.int32 and toks.shape == (2, 4096)
+    assert set(np.unique(toks[0])) == {1, 3}
+    assert (toks[1] == 2).all()
+    assert abs((toks[0] == 1).mean() - 0.5) < 0.04
+
+
+# ----------------------------------------------------------------------------- accept_greedy
+
+
+def _logits_with_argmax(argmax_rows, v=5):
+    """[B, K+1, V] logits whose argmax at each row is the given token."""
+    a = np.asarray(argmax_rows)
+    logits = np.random.default_rng(0).uniform(-1, 0, a.shape + (v,)).astype(np.float32)
+    np.put_along_axis(logits, a[..., None], 5.0, axis=-1)
+    return jnp.asarray(logits)
+
+
+def test_accept_greedy_cases():
+    target = [
+        [1, 2, 3, 4],  # all accepted -> bonus is argmax of row K (4)
+        [1, 2, 3, 4],  # first draft wrong -> correction 1
+        [1, 2, 3, 4],  # mismatch in the middle -> correction at row 1 (2)
+        [0, 0, 0, 2],  # later matches after a mismatch do not count
+    ]
+    draft = jnp.array([[1, 2, 3], [0, 2, 3], [1, 4, 3], [0, 1, 0]], jnp.int32)
+    n, nxt = jax.jit(S.accept_greedy)(draft, _logits_with_argmax(target))
+    np.testing.assert_array_equal(n, [3, 0, 1, 1])
+    np.testing.assert_array_equal(nxt, [4, 1, 2, 0])
+    assert n.dtype == jnp.int32 and nxt.dtype == jnp.int32
+
+
+# ----------------------------------------------------------------------------- exactness
+
+V, K, N = 6, 3, 200_000
+
+
+def _chain_dists():
+    """Fixed target rows p_0..p_4 and draft rows q_0..q_3, with zero-probability edge cases."""
+    rng = np.random.default_rng(1234)
+    p = rng.dirichlet(np.ones(V), size=K + 2)
+    q = rng.dirichlet(np.ones(V) * 0.7, size=K + 1)
+    p[1, 2] = 0.0  # a token the target never emits, yet the draft may propose
+    q[0, 4] = 0.0  # a token the draft never proposes: only reachable via the residual
+    q[0, 0] = max(q[0, 0], 0.3)  # make q_0 clearly differ from p_0 (the test needs power)
+    p /= p.sum(-1, keepdims=True)
+    q /= q.sum(-1, keepdims=True)
+    assert 0.5 * np.abs(p[0] - q[0]).sum() > 0.1
+    return p.astype(np.float32), q.astype(np.float32)
+
+
+def _round(key, p_rows, q_rows, mode):
+    """One verification round on N sequences with fixed rows p[K+1], q[K]."""
+    kx, kv = jax.random.split(key)
+    target = jnp.broadcast_to(jnp.asarray(p_rows), (N, K + 1, V))
+    qb = jnp.broadcast_to(jnp.asarray(q_rows), (N, K, V))
+    if mode == "sampled":  # x_i ~ q_i, verified against q
+        x = S.sample_from_probs(kx, qb)
+        return x, S.accept_rejection(kv, x, qb, target)
+    if mode == "greedy_fixed":  # a good deterministic drafter: x_i = argmax p_i
+        x = jnp.broadcast_to(jnp.argmax(jnp.asarray(p_rows[:K]), -1).astype(jnp.int32), (N, K))
+    else:  # "greedy_any": any x independent of the verifier's randomness is still exact
+        mix = 0.5 * jnp.asarray(p_rows[:K]) + 0.5 / V  # also drafts p == 0 tokens
+        x = S.sample_from_probs(kx, jnp.broadcast_to(mix, (N, K, V)))
+    return x, S.accept_rejection(kv, x, None, target)
+
+
+@pytest.mark.parametrize("mode", ["sampled", "greedy_fixed", "greedy_any"])
+def test_accept_rejection_is_exact(mode):
+    p, q = _chain_dists()
+    k1, k2 = jax.random.split(jax.random.key({"sampled": 7, "greedy_fixed": 8, "greedy_any": 9}[mode]))
+    run = jax.jit(_round, static_argnums=3)
+    x, (n, nxt) = run(k1, p[: K + 1], q[:K], mode)
+    # Round 2 continues after a position-0 rejection: it starts at position 1 (p_1.., q_1..).
+    x2, (n2, nxt2) = run(k2, p[1:], q[1:], mode)
+    x, n, nxt, x2, n2, nxt2 = map(np.asarray, (x, n, nxt, x2, n2, nxt2))
+    assert n.min() >= 0 and n.max() <= K
+
+    first = np.where(n >= 1, x[:, 0], nxt)
+    second = np.where(n >= 2, x[:, 1], np.where(n == 1, nxt, np.where(n2 >= 1, x2[:, 0], nxt2)))
+
+    c1 = np.bincount(first, minlength=V)
+    assert _chisq_pvalue(c1, p[0]) > 0.01
+    assert _tv(c1, p[0]) < 0.01
+    joint = np.zeros((V, V), np.int64)
+    np.add.at(joint, (first, second), 1)
+    pj = np.outer(p[0], p[1])
+    assert _chisq_pvalue(joint, pj) > 0.01
+    assert _tv(joint, pj) < 0.02
+    # Given all K accepted, the bonus token is a fresh draw from p_K.
+    cb = np.bincount(nxt[n == K], minlength=V)
+    assert cb.sum() > 1000
+    assert _chisq_pvalue(cb, p[K]) > 0.01
+
+    # Acceptance rate of the first draft is sum_v min(p_0, q_0) (Leviathan et al., Thm 3.5)
+    # for sampled drafts, and p_0(x) for a deterministic draft x.
+    if mode == "sampled":
+        alpha = np.minimum(p[0], q[0]).sum()
+    elif mode == "greedy_fixed":
+        alpha = p[0].max()
+    else:
+        alpha = (p[0] * (0.5 * p[0] + 0.5 / V)).sum()
+    assert abs((n >= 1).mean() - alpha) < 5 * np.sqrt(alpha * (1 - alpha) / N)
+    # The p_1 == 0 token can be drafted but is never accepted or emitted.
+    if mode != "greedy_fixed":
+        assert ((n >= 1) & (x[:, 1] == 2)).sum() > 100
+    assert not ((n >= 2) & (x[:, 1] == 2)).any()
+    assert not ((n == 1) & (nxt == 2)).any()
+
+
+def test_accept_rejection_identical_distributions_accept_all():
+    # p == q: every draft is accepted (p/q = 1 >= u), and the residual guard is never hit.
+    b, v = 512, 16
+    probs = jax.nn.softmax(jax.random.normal(jax.random.key(3), (b, K + 1, v)), -1)
+    x = S.sample_from_probs(jax.random.key(4), probs[:, :K])
+    n, nxt = jax.jit(S.accept_rejection)(jax.random.key(5), x, probs[:, :K], probs)
+    np.testing.assert_array_equal(n, K)
+    assert ((nxt >= 0) & (nxt < v)).all()
+
+
+def test_accept_rejection_zero_residual_falls_back_to_p():
+    # q puts mass on x where p has none elsewhere... force a rejection with p == q except
+    # that the drafted token has q(x) > 0 = p(x): residual = p, never x.
+    p = jnp.array([[[0.0, 0.5, 0.5, 0.0]] * 2])  # [1, K+1=2, 4]
+    q = jnp.array([[[1.0, 0.0, 0.0, 0.0]]])
+    x = jnp.array([[0]], jnp.int32)
+    keys = jax.random.split(jax.random.key(6), 256)
+    n, nxt = jax.vmap(lambda kk: S.accept_rejection(kk, x, q, p))(keys)
+    np.testing.assert_array_equal(n, 0)
+    assert set(np.unique(np.asarray(nxt))) == {1, 2}
+    # Greedy draft of a token the target gives probability 1: always accepted, bonus from p_1.
+    pg = jnp.array([[[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]]])
+    n, nxt = S.accept_rejection(jax.random.key(7), jnp.array([[1]], jnp.int32), None, pg)
+    assert int(n[0]) == 1 and int(nxt[0]) == 3
+
+
+# ----------------------------------------------------------------------------- verify / draft
+
+MIXED = [(0.0, 0, 1.0), (0.8, 8, 0.9), (0.0, 5, 0.5), (1.0, 0, 1.0), (0.0, 0, 1.0), (0.6, 0, 0.7)]
+
+
+def _mixed_batch(seed=10, v=64, k=4):
+    kd, kt = jax.random.split(jax.random.key(seed))
+    b = len(MIXED)
+    draft_logits = jax.random.normal(kd, (b, k, v)) * 2.0
+    # Target = draft logits plus noise, so acceptance is partial (neither 0 nor K always).
+    target_logits = jnp.concatenate([draft_logits, jnp.zeros((b, 1, v))], axis=1)
+    target_logits = target_logits + jax.random.normal(kt, (b, k + 1, v)) * 1.0
+    return draft_logits, target_logits, _settings(MIXED)
+
+
+def test_verify_mixed_batch():
+    draft_logits, target_logits, (t, k, p) = _mixed_batch()
+    greedy = np.asarray(t) == 0
+    x, q = jax.jit(S.draft_from_logits)(jax.random.key(11), draft_logits, t, k, p)
+
+    # Drafts: greedy rows are argmax with one-hot q; sampled rows use the processed q.
+    q_ref = S.process_logits(draft_logits, t, k, p)
+    np.testing.assert_allclose(q, q_ref, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(x)[greedy], np.asarray(draft_logits.argmax(-1))[greedy])
+    np.testing.assert_array_equal(np.asarray(q)[greedy].max(-1), 1.0)
+    assert (np.take_along_axis(np.asarray(q), np.asarray(x)[..., None], -1) > 0).all()
+
+    key = jax.random.key(12)
+    for dp in (q, None):
+        n, nxt = jax.jit(S.verify)(key, x, dp, target_logits, t, k, p)
+        n_g, nxt_g = S.accept_greedy(x, target_logits)
+        n_s, nxt_s = S.accept_rejection(key, x, dp, S.process_logits(target_logits, t, k, p))
+        np.testing.assert_array_equal(np.asarray(n)[greedy], np.asarray(n_g)[greedy])
+        np.testing.assert_array_equal(np.asarray(nxt)[greedy], np.asarray(nxt_g)[greedy])
+        np.testing.assert_array_equal(np.asarray(n)[~greedy], np.asarray(n_s)[~greedy])
+        np.testing.assert_array_equal(np.asarray(nxt)[~greedy], np.asarray(nxt_s)[~greedy])
+    # The fixture must exercise partial acceptance on greedy rows to mean anything.
+    assert 0 < np.asarray(n_g)[greedy].min() or np.asarray(n_g)[greedy].max() < x.shape[1]
+
+    # Identical draft and target logits: greedy and sampled rows all accept every draft.
+    same = jnp.concatenate([draft_logits, target_logits[:, -1:]], axis=1)
+    n, nxt = jax.jit(S.verify)(key, x, q, same, t, k, p)
+    np.testing.assert_array_equal(n, x.shape[1])
+    np.testing.assert_array_equal(
+        np.asarray(nxt)[greedy], np.asarray(target_logits[:, -1].argmax(-1))[greedy]
+    )
+
+
+def test_jit_matches_eager_and_runs_in_while_loop():
+    draft_logits, target_logits, (t, k, p) = _mixed_batch(seed=20)
+    key = jax.random.key(21)
+    eager = S.draft_from_logits(key, draft_logits, t, k, p)
+    jitted = jax.jit(S.draft_from_logits)(key, draft_logits, t, k, p)
+    np.testing.assert_array_equal(eager[0], jitted[0])
+    np.testing.assert_allclose(eager[1], jitted[1], atol=1e-6)
+    x, q = eager
+    e = S.verify(key, x, q, target_logits, t, k, p)
+    j = jax.jit(S.verify)(key, x, q, target_logits, t, k, p)
+    for a, b in zip(e, j):
+        np.testing.assert_array_equal(a, b)
+
+    # A decode-loop shaped use: draft + verify per step inside lax.while_loop.
+    @jax.jit
+    def loop(key):
+        def body(carry):
+            i, key, total = carry
+            key, kd, kv = jax.random.split(key, 3)
+            xs, qs = S.draft_from_logits(kd, draft_logits, t, k, p)
+            n, _ = S.verify(kv, xs, qs, target_logits, t, k, p)
+            return i + 1, key, total + n + 1
+
+        init = (0, key, jnp.zeros(t.shape, jnp.int32))
+        return jax.lax.while_loop(lambda c: c[0] < 4, body, init)[2]
+
+    total = np.asarray(loop(key))
+    assert ((total >= 4) & (total <= 4 * (x.shape[1] + 1))).all()
