@@ -82,6 +82,13 @@ class ModelConfig:
                    if k not in cfg]
         if missing:
             raise ValueError(f"config.json is missing required keys: {missing}")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is implemented")
+        if cfg.get("mlp_bias"):
+            raise ValueError("mlp_bias=true is not supported")
+        if cfg.get("use_sliding_window"):
+            raise ValueError("use_sliding_window=true (sliding-window attention) is not supported")
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         rope_scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
@@ -112,9 +119,12 @@ class ModelConfig:
             rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+            # qwen2 always has q/k/v biases (its config has no switch for them)
+            attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
             qk_norm=arch in ("qwen3", "qwen3_moe"),
-            num_experts=cfg.get("num_experts", 0) if arch == "qwen3_moe" else 0,
+            # transformers 5 writes `num_local_experts` (`num_experts` is an attribute alias)
+            num_experts=(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+            if arch == "qwen3_moe" else 0,
             num_experts_per_tok=cfg.get("num_experts_per_tok", 0),
             moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),

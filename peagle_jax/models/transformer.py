@@ -34,7 +34,8 @@ class DecoderLayer(nnx.Module):
             cfg.hidden_size, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.head_dim,
             qkv_bias=cfg.attention_bias,
-            o_bias=cfg.attention_bias and cfg.architecture == "llama",
+            # llama/qwen3 `attention_bias` covers o_proj too; qwen2's q/k/v biases do not
+            o_bias=cfg.attention_bias and cfg.architecture != "qwen2",
             qk_norm=cfg.qk_norm, eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
             rope_scaling=cfg.rope_scaling, dtype=dtype, rngs=rngs,
         )

@@ -1,0 +1,122 @@
+"""EAGLE-3 draft head with the P-EAGLE parallel-drafting mode (Flax NNX).
+
+Inputs per row: a token and a feature h in drafter space. h is `fc(concat(low, mid, high))`
+of the target's three taps for real rows, `fc(mask_hidden)` for P-EAGLE placeholder rows, or
+the drafter's own pre-norm output when EAGLE-3 drafts sequentially. Layer 0 attends with
+q/k/v over concat(input_layernorm(embed(token)), hidden_norm(h)) (2H wide) and adds the
+result to h; later layers are plain pre-norm Llama layers. Logits are over the draft
+vocabulary; `d2t` maps a draft id to a target id (target = draft + d2t[draft]).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from peagle_jax.cache import KVCache
+from peagle_jax.drafters.config import DrafterConfig
+from peagle_jax.models.layers import MLP, Attention, Linear, RMSNorm
+
+
+class VocabMap(nnx.Variable):
+    """Non-trainable integer buffers (d2t)."""
+
+
+class DrafterOutput(NamedTuple):
+    logits: Float[Array, "B K Vd"]  # at the requested rows
+    prenorm: Float[Array, "B R H"]  # last layer's residual stream (fed back by EAGLE-3)
+    cache: KVCache
+
+
+class DrafterLayer(nnx.Module):
+    def __init__(self, cfg: DrafterConfig, layer_idx: int, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.dtype)
+        h = cfg.hidden_size
+        self.first = layer_idx == 0
+        self.norm_before_residual = cfg.norm_before_residual
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+        if self.first:
+            self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(
+            2 * h if self.first else h, h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            qkv_bias=False, o_bias=False, qk_norm=False, eps=cfg.rms_norm_eps,
+            rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling, dtype=dtype, rngs=rngs,
+        )
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(h, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, positions, kv, embeds=None):
+        if self.first:
+            hn = self.hidden_norm(x)
+            attn_in = jnp.concatenate([self.input_layernorm(embeds), hn], axis=-1)
+            residual = hn if self.norm_before_residual else x
+        else:
+            attn_in, residual = self.input_layernorm(x), x
+        a, kv = self.self_attn(attn_in, positions, kv)
+        x = residual + a
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, kv
+
+
+class Eagle3Drafter(nnx.Module):
+    def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs):
+        self.config = cfg
+        dtype = jnp.dtype(cfg.dtype)
+        self.embed_tokens = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
+        self.fc = Linear(cfg.fc_in_features, cfg.hidden_size, bias=False, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DrafterLayer(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.hidden_size, cfg.draft_vocab_size), dtype))
+        self.d2t = VocabMap(jnp.zeros((cfg.draft_vocab_size,), jnp.int32))
+        # Placeholder feature for parallel-drafting slots, in the pre-fc (3 * H_t) space.
+        self.mask_hidden = (
+            nnx.Param(jax.random.normal(rngs.params(), (cfg.fc_in_features,), dtype))
+            if cfg.parallel_drafting else None
+        )
+
+    def init_cache(self, batch_size: int, capacity: int, dtype=None) -> KVCache:
+        cfg = self.config
+        return KVCache.zeros(cfg.num_hidden_layers, batch_size, capacity, cfg.num_key_value_heads,
+                             cfg.head_dim, dtype or jnp.dtype(cfg.dtype))
+
+    def project(self, aux: Float[Array, "... A"]) -> Float[Array, "... H"]:
+        """Target taps (concatenated) -> drafter feature space."""
+        return self.fc(aux.astype(self.fc.kernel.dtype))
+
+    def mask_feature(self) -> Float[Array, "H"]:
+        if self.mask_hidden is None:
+            raise ValueError("this drafter has no mask_hidden: it was not built for parallel drafting")
+        return self.fc(self.mask_hidden[...])
+
+    def to_target_ids(self, draft_ids: Int[Array, "..."]) -> Int[Array, "..."]:
+        return draft_ids + jnp.take(self.d2t[...], draft_ids)
+
+    def logits_from_prenorm(self, prenorm: Float[Array, "... H"]) -> Float[Array, "... Vd"]:
+        return (self.norm(prenorm) @ self.lm_head[...]).astype(jnp.float32)
+
+    def __call__(
+        self,
+        tokens: Int[Array, "B R"],
+        features: Float[Array, "B R H"],
+        positions: Int[Array, "B R"],
+        cache: KVCache,
+        *,
+        logit_rows: Int[Array, "B K"] | None = None,
+    ) -> DrafterOutput:
+        """One drafter forward over R rows (features already in drafter space)."""
+        embeds = jnp.take(self.embed_tokens[...], tokens, axis=0)
+        x = features.astype(embeds.dtype)
+        new_layers = []
+        for i, layer in enumerate(self.layers):
+            x, kv = layer(x, positions, cache.layers[i], embeds if i == 0 else None)
+            new_layers.append(kv)
+        sel = x if logit_rows is None else jnp.take_along_axis(x, logit_rows[..., None], axis=1)
+        return DrafterOutput(self.logits_from_prenorm(sel), x, cache._replace(layers=tuple(new_layers)))
+
+
+def create_drafter(cfg: DrafterConfig, seed: int = 0) -> Eagle3Drafter:
+    return Eagle3Drafter(cfg, rngs=nnx.Rngs(params=seed))

@@ -1,0 +1,141 @@
+"""`speculative_generate`: prefill plus a `lax.while_loop` of speculative rounds, one jit."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from peagle_jax.drafters.eagle3 import Eagle3Drafter
+from peagle_jax.generate.steps import METHODS, SamplingParams, prefill, spec_round
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """Tokens and statistics of one `speculative_generate` call (host numpy arrays)."""
+
+    tokens: list[list[int]]  # generated tokens per prompt (EOS included when hit)
+    lengths: np.ndarray  # [B]
+    finish_reasons: list[str]  # "stop" (EOS) or "length"
+    rounds: np.ndarray  # [B] target forwards after prefill
+    accepted_per_position: np.ndarray  # [K] rounds in which draft position i was accepted
+    num_draft_tokens: int
+
+    @property
+    def total_rounds(self) -> int:
+        return int(self.rounds.sum())
+
+    @property
+    def acceptance_rate_per_position(self) -> np.ndarray:
+        """Fraction of rounds in which draft position i (1-based i+1) was accepted."""
+        return self.accepted_per_position / max(self.total_rounds, 1)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per target forward: (accepted drafts + 1) averaged over rounds."""
+        r = self.total_rounds
+        return float((r + self.accepted_per_position.sum()) / r) if r else 0.0
+
+
+def prompt_bucket(length: int, minimum: int = 16) -> int:
+    """Pad prompts to the next power of two so new lengths rarely recompile."""
+    b = minimum
+    while b < length:
+        b *= 2
+    return b
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("target_def", "drafter_def", "method", "num_draft", "greedy", "capacity", "out_size"),
+)
+def _generate_jit(
+    target_state, drafter_state, tokens, prompt_lens, max_new, sp, eos_ids, key,
+    *, target_def, drafter_def, method, num_draft, greedy, capacity, out_size,
+):
+    target = nnx.merge(target_def, target_state)
+    drafter = nnx.merge(drafter_def, drafter_state) if drafter_def is not None else None
+    state = prefill(
+        target, drafter, tokens, prompt_lens, method=method, num_draft=num_draft, greedy=greedy,
+        capacity=capacity, out_size=out_size, max_new=max_new, sp=sp, eos_ids=eos_ids, key=key,
+    )
+    body = functools.partial(spec_round, target, drafter, method=method, num_draft=num_draft, greedy=greedy)
+    state = jax.lax.while_loop(lambda s: jnp.any(~s.done), body, state)
+    return state.output, state.out_len, state.hit_eos, state.rounds, state.accepted_per_pos
+
+
+def speculative_generate(
+    target,
+    drafter,
+    prompts: Sequence[Sequence[int]],
+    *,
+    method: str = "peagle",
+    num_draft_tokens: int = 7,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_token_ids: Sequence[int] = (),
+    seed: int = 0,
+    min_bucket: int = 16,
+) -> GenerationResult:
+    """Generate from B prompts with speculative decoding, entirely on device.
+
+    method: "peagle" (K drafts from one drafter forward), "eagle3" (K sequential drafter
+      forwards) or "none" (plain decoding; `drafter` may be None).
+    Greedy output (temperature 0) is token-identical to plain greedy decoding of `target`;
+    sampled output follows the target's processed distribution exactly.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method != "none" and drafter is None:
+        raise ValueError(f"method={method!r} needs a drafter")
+    if method == "peagle" and isinstance(drafter, Eagle3Drafter) and drafter.config.mask_token_id is None:
+        raise ValueError("method='peagle' needs a drafter with parallel drafting (mask_token_id, mask_hidden)")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty token lists")
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    k = num_draft_tokens if method != "none" else 0
+    if method != "none" and k < 1:
+        raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+    b = len(prompts)
+    t = prompt_bucket(max(len(p) for p in prompts), min_bucket)
+    tokens = np.zeros((b, t), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    lens = np.array([len(p) for p in prompts], np.int32)
+    max_ctx = target.config.max_position_embeddings
+    if t + max_new_tokens > max_ctx:
+        raise ValueError(f"prompt bucket {t} + max_new_tokens {max_new_tokens} exceeds the model's context {max_ctx}")
+    capacity = t + max_new_tokens + 2 * k + 2
+    capacity = -(-capacity // 64) * 64
+    target_def, target_state = nnx.split(target)
+    if drafter is not None and method != "none":
+        drafter_def, drafter_state = nnx.split(drafter)
+    else:
+        drafter_def, drafter_state = None, None
+    eos = np.array(list(eos_token_ids) or [-1], np.int32)
+    sp = SamplingParams.full(b, temperature, top_k, top_p)
+    output, out_len, hit_eos, rounds, hist = _generate_jit(
+        target_state, drafter_state, jnp.asarray(tokens), jnp.asarray(lens),
+        jnp.full((b,), max_new_tokens, jnp.int32), sp, jnp.asarray(eos), jax.random.key(seed),
+        target_def=target_def, drafter_def=drafter_def, method=method, num_draft=k,
+        greedy=temperature == 0.0, capacity=capacity, out_size=max_new_tokens,
+    )
+    output, out_len, hit_eos = np.asarray(output), np.asarray(out_len), np.asarray(hit_eos)
+    return GenerationResult(
+        tokens=[output[i, : out_len[i]].tolist() for i in range(b)],
+        lengths=out_len,
+        finish_reasons=["stop" if e else "length" for e in hit_eos],
+        rounds=np.asarray(rounds),
+        accepted_per_position=np.asarray(hist).sum(axis=0),
+        num_draft_tokens=k,
+    )

