@@ -33,7 +33,8 @@ class ReferenceDrafter(nnx.Module):
         ref = np.pad(ref, ((0, 0), (0, pad)))  # room for K slots past the end
         self.reference = ReferenceTokens(jnp.asarray(ref))
         self.vocab_size = vocab_size
-        self.wrong_every = wrong_every
+        # A traced value, so oracles with different error patterns share one compilation.
+        self.wrong_every = ReferenceTokens(jnp.asarray(wrong_every, jnp.int32))
 
     def project(self, aux):
         return aux[..., :1]  # keep the pending-feature plumbing cheap
@@ -43,7 +44,6 @@ class ReferenceDrafter(nnx.Module):
         ref = self.reference[...]
         pos = jnp.minimum(pos, ref.shape[1] - 1)
         tokens = jnp.take_along_axis(ref, pos, axis=1)
-        if self.wrong_every:
-            wrong = (pos * 7 + 3) % self.wrong_every == 0
-            tokens = jnp.where(wrong, (tokens + 1) % self.vocab_size, tokens)
-        return tokens
+        every = self.wrong_every[...]
+        wrong = (every > 0) & ((pos * 7 + 3) % jnp.maximum(every, 1) == 0)
+        return jnp.where(wrong, (tokens + 1) % self.vocab_size, tokens)

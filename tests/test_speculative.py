@@ -1,0 +1,180 @@
+"""speculative_generate on a tiny random target: exactness, statistics, compilation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.stats
+
+import jax
+import jax.numpy as jnp
+
+from peagle_jax.drafters import DrafterConfig, create_drafter
+from peagle_jax.drafters.reference import ReferenceDrafter
+from peagle_jax.generate import speculative_generate
+from peagle_jax.generate.speculative import _generate_jit
+from peagle_jax.models import ModelConfig, create_model
+
+VOCAB = 64
+EOS = 0
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [5]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    cfg = ModelConfig(architecture="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    return create_model(cfg, seed=1)
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    cfg = DrafterConfig.for_target(target.config, num_layers=2, parallel_drafting=True, mask_token_id=VOCAB - 1)
+    return create_drafter(cfg, seed=2)
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    # Plain greedy decoding; long enough that an oracle can propose K tokens past the budget.
+    return speculative_generate(target, None, PROMPTS, method="none", max_new_tokens=40, eos_token_ids=[EOS])
+
+
+def _table(tokens: list[list[int]]) -> np.ndarray:
+    n = max(len(t) for t in tokens)
+    return np.array([t + [EOS] * (n - len(t)) for t in tokens])
+
+
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_greedy_exact_with_random_drafter(target, drafter, reference, method, k):
+    out = speculative_generate(target, drafter, PROMPTS, method=method, num_draft_tokens=k,
+                               max_new_tokens=24, eos_token_ids=[EOS])
+    assert out.tokens == [t[:24] for t in reference.tokens]
+    assert out.accepted_per_position.shape == (k,)
+
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_oracle_reaches_k_plus_one_and_partial_oracle_is_exact(target, reference, k):
+    budget = 24
+    oracle = ReferenceDrafter(_table(reference.tokens), VOCAB)
+    out = speculative_generate(target, oracle, PROMPTS, method="peagle", num_draft_tokens=k,
+                               max_new_tokens=budget, eos_token_ids=[EOS])
+    assert out.tokens == [t[:budget] for t in reference.tokens]
+    assert out.mean_acceptance_length == pytest.approx(k + 1)
+    # Each round emits K+1 tokens; the first token comes from prefill.
+    assert all(r == -(-(budget - 1) // (k + 1)) for r in out.rounds)
+
+    partial = ReferenceDrafter(_table(reference.tokens), VOCAB, wrong_every=3)
+    out = speculative_generate(target, partial, PROMPTS, method="eagle3", num_draft_tokens=k,
+                               max_new_tokens=budget, eos_token_ids=[EOS])
+    assert out.tokens == [t[:budget] for t in reference.tokens]
+    if k > 1:
+        assert 1.0 < out.mean_acceptance_length < k + 1
+
+
+def test_acceptance_statistics_hand_computed(target, reference):
+    """Oracle wrong exactly where (p*7+3) % 4 == 0, i.e. output positions p = 3, 7, 11, ..."""
+    k, budget = 3, 12
+    table = _table(reference.tokens)[:1]
+    out = speculative_generate(target, ReferenceDrafter(table, VOCAB, wrong_every=4), [PROMPTS[0]],
+                               method="peagle", num_draft_tokens=k, max_new_tokens=budget, eos_token_ids=[EOS])
+    assert out.tokens[0] == reference.tokens[0][:budget]
+    # out_len after prefill = 1. Round 1 drafts p=1,2,3: p=3 wrong -> accept 2, emit 3 (len 4).
+    # Round 2 drafts p=4,5,6: all right -> emit 4 (len 8). Round 3 drafts p=8,9,10: right ->
+    # emit 4 (len 12, budget reached).
+    assert out.rounds.tolist() == [3]
+    assert out.accepted_per_position.tolist() == [3, 3, 2]
+    assert out.mean_acceptance_length == pytest.approx((3 + 8) / 3)
+
+
+def test_eos_and_per_sequence_stop(target, reference):
+    # Make token reference[1][3] an EOS id: sequence 1 must stop there, the others go on.
+    eos = reference.tokens[1][3]
+    plain = speculative_generate(target, None, PROMPTS, method="none", max_new_tokens=16, eos_token_ids=[eos])
+    spec = speculative_generate(target, ReferenceDrafter(_table(reference.tokens), VOCAB), PROMPTS,
+                                method="peagle", num_draft_tokens=3, max_new_tokens=16, eos_token_ids=[eos])
+    assert spec.tokens == plain.tokens
+    assert spec.finish_reasons == plain.finish_reasons
+    assert spec.finish_reasons[1] == "stop" and spec.tokens[1][-1] == eos and len(spec.tokens[1]) <= 4
+
+
+def test_no_recompile_for_new_prompts_of_same_bucket(target, drafter):
+    kw = dict(method="peagle", num_draft_tokens=3, max_new_tokens=8, eos_token_ids=[EOS])
+    speculative_generate(target, drafter, [[1, 2, 3], [4, 5]], **kw)
+    before = _generate_jit._cache_size()
+    speculative_generate(target, drafter, [[9, 8, 7, 6, 5], [3]], seed=5, **kw)
+    speculative_generate(target, drafter, [[11, 12], [13, 14, 15, 16]], temperature=0.0, **kw)
+    assert _generate_jit._cache_size() == before
+
+
+def test_bad_arguments(target, drafter):
+    with pytest.raises(ValueError, match="method"):
+        speculative_generate(target, drafter, PROMPTS, method="medusa")
+    with pytest.raises(ValueError, match="drafter"):
+        speculative_generate(target, None, PROMPTS, method="peagle")
+    with pytest.raises(ValueError, match="non-empty"):
+        speculative_generate(target, drafter, [[]], method="peagle")
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        speculative_generate(target, drafter, PROMPTS, max_new_tokens=0)
+    seq = create_drafter(DrafterConfig.for_target(target.config), seed=0)
+    with pytest.raises(ValueError, match="parallel drafting"):
+        speculative_generate(target, seq, PROMPTS, method="peagle")
+
+
+# ------------------------------------------------------------------ sampling exactness
+
+SMALL_V = 8
+
+
+@pytest.fixture(scope="module")
+def small_target():
+    cfg = ModelConfig(architecture="llama", vocab_size=SMALL_V, hidden_size=16, intermediate_size=32,
+                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    model = create_model(cfg, seed=3)
+    # Random init gives near-uniform logits; sharpen them so top-p actually cuts tokens.
+    model.embed_tokens.value = model.embed_tokens.value * 40.0
+    return model
+
+
+def _exact_joint(target, prompt, temperature, top_p):
+    """p(t1, t2) of the processed target distribution, computed by enumeration."""
+    from peagle_jax.sampling import process_logits
+
+    def probs_after(tokens):
+        t = jnp.asarray([tokens])
+        pos = jnp.arange(len(tokens))[None]
+        out = target(t, pos, target.init_cache(1, 16))
+        one = jnp.ones((1,))
+        p = process_logits(out.logits[:, -1:], one * temperature, jnp.zeros((1,), jnp.int32), one * top_p)
+        return np.asarray(p[0, 0], np.float64)
+
+    p1 = probs_after(prompt)
+    return np.stack([p1[a] * probs_after(prompt + [a]) for a in range(SMALL_V)])
+
+
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+def test_sampling_matches_target_distribution(small_target, method):
+    prompt, n = [1, 2, 3], 20000
+    cfg = DrafterConfig.for_target(small_target.config, num_layers=1, parallel_drafting=True, mask_token_id=SMALL_V - 1)
+    drafter = create_drafter(cfg, seed=4)
+    drafter.lm_head.value = drafter.lm_head.value * 30.0  # a confident (and often wrong) drafter
+    exact = _exact_joint(small_target, prompt, 0.8, 0.9)
+    out = speculative_generate(small_target, drafter, [prompt] * n, method=method, num_draft_tokens=3,
+                               max_new_tokens=2, temperature=0.8, top_p=0.9, seed=11)
+    pairs = np.array([t[:2] for t in out.tokens])
+    counts = np.zeros((SMALL_V, SMALL_V))
+    np.add.at(counts, (pairs[:, 0], pairs[:, 1]), 1)
+    expected = exact * n
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "sampled a token the processed target gives zero probability"
+    # Pool cells with small expected counts so the chi-square approximation holds.
+    small = keep & (expected < 5)
+    obs = np.append(counts[keep & ~small], counts[small].sum())
+    exp = np.append(expected[keep & ~small], expected[small].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    p = scipy.stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+    assert p > 0.01, p
+    # Drafts were really used: some rounds accepted a draft, some rejected one.
+    rate = out.acceptance_rate_per_position[0]
+    assert 0.02 < rate < 0.98, rate
