@@ -1,0 +1,87 @@
+"""Greedy decode speed: peagle-jax (`speculative_generate(method="none")`) vs HF transformers.
+
+Same SmolLM2-135M-Instruct GGUF weights, fp32, batch 1, same chat prompts and token budget.
+Methods are interleaved prompt by prompt so both see the same machine state; compilation is
+excluded (one warm-up call per shape). Writes JSON + Markdown to results/decode_speed/.
+
+  .venv/bin/python benchmarks/decode_speed.py [--max-new-tokens 128] [--prompts 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+PROMPTS = [
+    "Write a Python function that reverses a string.",
+    "Write a Python function to check whether a number is prime.",
+    "Explain what a Python decorator is, with an example.",
+    "Write a function that merges two sorted lists into one sorted list.",
+    "How do I read a CSV file in Python?",
+    "Write a binary search function in Python.",
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--out", default="results/decode_speed")
+    args = ap.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from peagle_jax.checkpoints import load_target
+    from peagle_jax.checkpoints.default_model import default_model_path
+    from peagle_jax.checkpoints.tokenizer import load_tokenizer
+    from peagle_jax.generate import speculative_generate
+
+    path = default_model_path()
+    ours = load_target(path)
+    tok = load_tokenizer(path)
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32).eval()
+    # Both sides ignore EOS and generate exactly n tokens (min_new_tokens would instead mask
+    # the EOS logit and change the tokens), so tokens/s and the token check compare like for like.
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = tok.pad_token_id
+    n = args.max_new_tokens
+    rows = []
+    for text in PROMPTS[: args.prompts]:
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        speculative_generate(ours, None, [ids], method="none", max_new_tokens=n, eos_token_ids=[])  # compile
+        t0 = time.perf_counter()
+        r = speculative_generate(ours, None, [ids], method="none", max_new_tokens=n, eos_token_ids=[])
+        t_ours = time.perf_counter() - t0
+        with torch.inference_mode():
+            x = torch.tensor([ids])
+            hf.generate(x, max_new_tokens=4, do_sample=False)  # warm-up
+            t0 = time.perf_counter()
+            y = hf.generate(x, max_new_tokens=n, do_sample=False)
+            t_hf = time.perf_counter() - t0
+        same = y[0, len(ids):].tolist() == r.tokens[0]
+        rows.append(dict(prompt=text, tokens=n, ours_tok_s=n / t_ours, hf_tok_s=n / t_hf, identical_tokens=same))
+        print(f"{text[:40]:40s} ours {n / t_ours:6.1f} tok/s  transformers {n / t_hf:6.1f} tok/s  same={same}")
+    ours_mean = sum(r["ours_tok_s"] for r in rows) / len(rows)
+    hf_mean = sum(r["hf_tok_s"] for r in rows) / len(rows)
+    summary = dict(
+        machine=dict(platform=platform.platform(), cpus=os.cpu_count(), python=platform.python_version()),
+        max_new_tokens=n, ours_tok_s=ours_mean, transformers_tok_s=hf_mean, speedup=ours_mean / hf_mean, rows=rows,
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode_speed.json").write_text(json.dumps(summary, indent=2))
+    md = ["| prompt | peagle-jax tok/s | transformers tok/s | identical |", "|---|---|---|---|"]
+    md += [f"| {r['prompt'][:50]} | {r['ours_tok_s']:.1f} | {r['hf_tok_s']:.1f} | {r['identical_tokens']} |" for r in rows]
+    md.append(f"| **mean** | **{ours_mean:.1f}** | **{hf_mean:.1f}** | speed-up {ours_mean / hf_mean:.2f}x |")
+    (out / "decode_speed.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
