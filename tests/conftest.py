@@ -6,13 +6,13 @@ import math
 
 import pytest
 
-# Small but not degenerate: GQA (4 query heads over 2 KV heads), 7 layers so the default
-# EAGLE-3 taps (2, L//2, L-3) = (2, 3, 4) are distinct.
+# Small but not degenerate: GQA (4 query heads over 2 KV heads). 4 layers keep XLA compiles
+# short; pass num_hidden_layers=7 for distinct default EAGLE-3 taps (2, L//2, L-3) = (2, 3, 4).
 TINY_COMMON = dict(
     vocab_size=96,
     hidden_size=64,
     intermediate_size=112,
-    num_hidden_layers=7,
+    num_hidden_layers=4,
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=16,

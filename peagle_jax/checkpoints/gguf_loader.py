@@ -35,6 +35,7 @@ _KEY_MAP: list[tuple[str, str, bool]] = [
     (r"blk\.(\d+)\.attn_q\.bias", r"layers.\1.self_attn.q_proj.bias", False),
     (r"blk\.(\d+)\.attn_k\.bias", r"layers.\1.self_attn.k_proj.bias", False),
     (r"blk\.(\d+)\.attn_v\.bias", r"layers.\1.self_attn.v_proj.bias", False),
+    (r"blk\.(\d+)\.attn_output\.bias", r"layers.\1.self_attn.o_proj.bias", False),
     (r"blk\.(\d+)\.attn_q_norm\.weight", r"layers.\1.self_attn.q_norm.weight", False),
     (r"blk\.(\d+)\.attn_k_norm\.weight", r"layers.\1.self_attn.k_norm.weight", False),
     (r"blk\.(\d+)\.ffn_gate\.weight", r"layers.\1.mlp.gate_proj.kernel", True),
@@ -73,16 +74,23 @@ def gguf_config(reader, *, dtype: str = "float32") -> ModelConfig:
     heads = int(_field(reader, f"{a}.attention.head_count"))
     tokens = reader.fields["tokenizer.ggml.tokens"]
     names = {t.name for t in reader.tensors}
-    rope_scaling = _field(reader, f"{a}.rope.scaling.type")
-    if rope_scaling not in (None, "none"):
-        raise ValueError(f"GGUF rope scaling {rope_scaling!r} is not supported")
+    rope_type = _field(reader, f"{a}.rope.scaling.type")
+    rope_scaling = None
+    if rope_type == "linear":
+        rope_scaling = (("factor", float(_field(reader, f"{a}.rope.scaling.factor", 1.0))), ("rope_type", "linear"))
+    elif rope_type not in (None, "none"):
+        raise ValueError(f"GGUF rope scaling {rope_type!r} is not supported; supported: linear")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    n_layers = int(_field(reader, f"{a}.block_count"))
+    n_experts = int(_field(reader, f"{a}.expert_count", 0) or 0)
+    # GGUF has no decoder_sparse_step / mlp_only_layers: a layer is sparse iff it has experts
+    dense_layers = tuple(i for i in range(n_layers) if f"blk.{i}.ffn_gate_exps.weight" not in names)
     return ModelConfig(
         architecture=_ARCH[a],
         vocab_size=len(tokens.data),
         hidden_size=hidden,
         intermediate_size=int(_field(reader, f"{a}.feed_forward_length", 0) or 0),
-        num_hidden_layers=int(_field(reader, f"{a}.block_count")),
+        num_hidden_layers=n_layers,
         num_attention_heads=heads,
         num_key_value_heads=int(_field(reader, f"{a}.attention.head_count_kv", heads)),
         head_dim=int(_field(reader, f"{a}.attention.key_length", hidden // heads)),
@@ -90,11 +98,13 @@ def gguf_config(reader, *, dtype: str = "float32") -> ModelConfig:
         rms_norm_eps=float(np.format_float_positional(
             np.float32(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)), trim="-")),
         rope_theta=float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
         max_position_embeddings=int(_field(reader, f"{a}.context_length", 4096)),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
-        num_experts=int(_field(reader, f"{a}.expert_count", 0) or 0),
+        num_experts=n_experts,
+        mlp_only_layers=dense_layers if n_experts else (),
         num_experts_per_tok=int(_field(reader, f"{a}.expert_used_count", 0) or 0),
         moe_intermediate_size=int(_field(reader, f"{a}.expert_feed_forward_length", 0) or 0),
         norm_topk_prob=arch_name == "qwen3moe",  # Qwen3-MoE releases normalise top-k weights
@@ -116,7 +126,6 @@ def load_gguf_model(path: str | Path, *, dtype: str = "float32") -> CausalLM:
     cfg = gguf_config(reader, dtype=dtype)
     permuted = cfg.architecture == "llama"
     tensors: dict[str, np.ndarray] = {}
-    unknown = []
     for t in reader.tensors:
         arr = dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(x) for x in t.shape])))
         arr = np.asarray(arr, dtype=np.float32)
@@ -132,10 +141,18 @@ def load_gguf_model(path: str | Path, *, dtype: str = "float32") -> CausalLM:
                 tensors[re.sub(pattern, template, t.name)] = arr.T if transpose else arr
                 break
         else:
-            if t.name != "rope_freqs.weight":
-                unknown.append(t.name)
-    if unknown:
-        raise CheckpointError(f"{path}: tensors this loader does not know: {unknown}")
+            if t.name == "rope_freqs.weight":
+                # llama3-style scaling is stored as per-frequency divisors of the rotary
+                # frequencies (llama.cpp: theta / freq_factors[i]), not as metadata
+                if cfg.rope_scaling is not None:
+                    raise ValueError(f"{path}: both rope.scaling metadata and rope_freqs.weight")
+                if arr.shape != (cfg.head_dim // 2,):
+                    raise CheckpointError(f"{path}: rope_freqs.weight has shape {arr.shape}, "
+                                          f"expected ({cfg.head_dim // 2},)")
+                cfg = cfg.replace(rope_scaling=(
+                    ("factors", tuple(float(x) for x in arr)), ("rope_type", "freq_factors")))
+            else:
+                tensors[t.name] = arr  # unknown: reported as unexpected, with everything else
     model = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
     assign_params(model, tensors, source=str(path))
     return model

@@ -13,6 +13,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+import jax
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
@@ -52,8 +53,31 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def convert_hf_tensors(named: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """HF tensor names/layouts -> our parameter paths/layouts. Unknown names raise."""
+def hf_tensor_name(key: str) -> str:
+    """Our parameter path -> the HF tensor name it is read from (for error messages)."""
+    if key == "embed_tokens":
+        return "model.embed_tokens.weight"
+    if key == "lm_head":
+        return "lm_head.weight"
+    if m := re.fullmatch(r"layers\.(\d+)\.mlp\.(gate|up|down)_proj", key):  # stacked experts
+        return f"model.layers.{m[1]}.mlp.experts.*.{m[2]}_proj.weight"
+    return "model." + re.sub(r"\.kernel$", ".weight", key)
+
+
+def convert_hf_tensors(
+    named: dict[str, np.ndarray],
+    cfg: ModelConfig,
+    *,
+    strict: bool = True,
+    problems: dict[str, list[str]] | None = None,
+) -> dict[str, np.ndarray]:
+    """HF tensor names/layouts -> our parameter paths/layouts.
+
+    With `strict`, unknown names or incomplete expert sets raise CheckpointError here.
+    Otherwise unknown tensors are passed through under their HF name (so `assign_params`
+    reports them as unexpected, together with everything else), and missing experts are
+    appended to `problems["missing"]` (their stacked parameter is then left out).
+    """
     out: dict[str, np.ndarray] = {}
     experts: dict[tuple[int, str], dict[int, np.ndarray]] = defaultdict(dict)
     unknown = []
@@ -78,14 +102,26 @@ def convert_hf_tensors(named: dict[str, np.ndarray], cfg: ModelConfig) -> dict[s
                 break
         else:
             unknown.append(name)
-    if unknown:
-        raise CheckpointError(f"checkpoint has tensors this loader does not know: {unknown}")
-    for (layer, kind), per_expert in experts.items():
-        if sorted(per_expert) != list(range(cfg.num_experts)):
-            raise CheckpointError(
-                f"layer {layer} {kind}_proj: experts {sorted(per_expert)} present, expected 0..{cfg.num_experts - 1}"
-            )
+            out[name] = arr
+    missing_experts = []
+    for (layer, kind), per_expert in sorted(experts.items()):
+        absent = [e for e in range(cfg.num_experts) if e not in per_expert]
+        extra = [e for e in per_expert if not 0 <= e < cfg.num_experts]
+        if absent or extra:
+            missing_experts += [f"model.layers.{layer}.mlp.experts.{e}.{kind}_proj.weight" for e in absent]
+            for e in extra:
+                out[f"model.layers.{layer}.mlp.experts.{e}.{kind}_proj.weight"] = per_expert[e].T
+            if absent:
+                continue
         out[f"layers.{layer}.mlp.{kind}_proj"] = np.stack([per_expert[e] for e in range(cfg.num_experts)])
+    if strict and (unknown or missing_experts):
+        raise CheckpointError(
+            "checkpoint does not match the model:"
+            + (f"\n  unknown tensors: {unknown}" if unknown else "")
+            + (f"\n  missing experts: {missing_experts}" if missing_experts else "")
+        )
+    if problems is not None:
+        problems.setdefault("missing", []).extend(missing_experts)
     if cfg.tie_word_embeddings:
         out.pop("lm_head", None)  # tied: some exporters still write a copy
     return out
@@ -99,10 +135,21 @@ def load_hf_model(model_dir: str | Path, *, dtype: str = "float32") -> CausalLM:
     cfg = ModelConfig.from_json_file(model_dir / "config.json", dtype=dtype)
     named: dict[str, np.ndarray] = {}
     for f in _safetensors_files(model_dir):
-        # framework="flax" reads bf16 too (numpy has no bfloat16 dtype of its own).
-        with safe_open(str(f), framework="flax") as fh:
+        # framework="flax" reads bf16 too (numpy has no bfloat16 dtype of its own); keep
+        # those staging arrays on the host rather than round-tripping through an accelerator.
+        with jax.default_device(jax.devices("cpu")[0]), safe_open(str(f), framework="flax") as fh:
             for key in fh.keys():
                 named[key] = np.asarray(fh.get_tensor(key), dtype=np.float32)
     model = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
-    assign_params(model, convert_hf_tensors(named, cfg), source=str(model_dir))
+    problems: dict[str, list[str]] = {}
+    tensors = convert_hf_tensors(named, cfg, strict=False, problems=problems)
+    missing_experts = problems.get("missing", [])
+    # a stack with absent experts is reported expert by expert, not again as a whole
+    partial = {f"layers.{n.split('.')[2]}.mlp.{n.split('.')[-2]}" for n in missing_experts}
+    assign_params(
+        model, tensors, source=str(model_dir), optional=partial if missing_experts else (),
+        # our keys never start with "model."; passed-through unknown tensors keep their HF name
+        describe=lambda k: k if k in named or k.startswith("model.") else f"{hf_tensor_name(k)} ({k})",
+        extra_missing=missing_experts,
+    )
     return model

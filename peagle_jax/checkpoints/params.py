@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import jax.numpy as jnp
 import numpy as np
@@ -29,19 +29,28 @@ def assign_params(
     dtype=None,
     source: str = "checkpoint",
     optional: Iterable[str] = (),
+    describe: Callable[[str], str] | None = None,
+    extra_missing: Iterable[str] = (),
+    extra_unexpected: Iterable[str] = (),
 ) -> None:
     """Set every Param of `module` from `tensors` (already in our layout and naming).
 
     Missing, unexpected or mis-shaped tensors raise one CheckpointError naming them all;
     nothing is assigned in that case. Keys in `optional` may be absent (they keep their
-    current value, which must then be concrete).
+    current value, which must then be concrete). `describe` renders a key for the message
+    (e.g. with the checkpoint's own tensor name); `extra_missing` / `extra_unexpected` are
+    problems a format converter found (already in the checkpoint's naming), reported in the
+    same error.
     """
     params = param_paths(module)
     optional = set(optional)
-    missing = sorted(k for k in params if k not in tensors and k not in optional)
-    unexpected = sorted(k for k in tensors if k not in params)
+    show = describe or (lambda k: k)
+    missing = sorted(show(k) for k in params if k not in tensors and k not in optional)
+    missing += sorted(extra_missing)
+    unexpected = sorted(show(k) for k in tensors if k not in params)
+    unexpected += sorted(extra_unexpected)
     bad_shape = [
-        f"{k}: checkpoint {tuple(np.shape(v))} vs model {tuple(params[k].value.shape)}"
+        f"{show(k)}: checkpoint {tuple(np.shape(v))} vs model {tuple(params[k].value.shape)}"
         for k, v in tensors.items()
         if k in params and tuple(np.shape(v)) != tuple(params[k].value.shape)
     ]

@@ -50,6 +50,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None) -> jax.Arr
     factor = float(s.get("factor", 1.0))
     if rtype == "linear":
         return inv / factor
+    if rtype == "freq_factors":  # GGUF rope_freqs.weight: per-frequency divisors (llama3 files)
+        return inv / jnp.asarray(s["factors"], jnp.float32)
     if rtype == "llama3":
         low, high = float(s["low_freq_factor"]), float(s["high_freq_factor"])
         old_ctx = float(s["original_max_position_embeddings"])
