@@ -67,3 +67,15 @@ def select_batch(cache: KVCache, mask: jax.Array, new: KVCache) -> KVCache:
         m = mask.reshape((-1,) + (1,) * (a.ndim - 1))
         return jnp.where(m, b, a)
     return jax.tree.map(pick, cache, new)
+
+
+def shard_cache(cache: KVCache, mesh) -> KVCache:
+    """Constrain K/V to (batch over data, KV heads over model); a no-op without a mesh."""
+    if mesh is None:
+        return cache
+    from peagle_jax.sharding import cache_spec, constrain
+
+    b, _, kvh, _ = cache.layers[0].k.shape
+    spec = cache_spec(b, kvh, mesh)
+    layers = tuple(LayerKV(constrain(l.k, spec, mesh), constrain(l.v, spec, mesh)) for l in cache.layers)
+    return cache._replace(layers=layers, lengths=constrain(cache.lengths, type(spec)(spec[0]), mesh))

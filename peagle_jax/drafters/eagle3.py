@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from peagle_jax.cache import KVCache
+from peagle_jax.cache import KVCache, shard_cache
 from peagle_jax.drafters.config import DrafterConfig
 from peagle_jax.models.layers import MLP, Attention, Linear, RMSNorm
 
@@ -65,6 +65,7 @@ class DrafterLayer(nnx.Module):
 class Eagle3Drafter(nnx.Module):
     def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs):
         self.config = cfg
+        self.mesh = None  # set by peagle_jax.sharding.shard_module
         dtype = jnp.dtype(cfg.dtype)
         self.embed_tokens = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
         self.fc = Linear(cfg.fc_in_features, cfg.hidden_size, bias=False, dtype=dtype, rngs=rngs)
@@ -80,8 +81,9 @@ class Eagle3Drafter(nnx.Module):
 
     def init_cache(self, batch_size: int, capacity: int, dtype=None) -> KVCache:
         cfg = self.config
-        return KVCache.zeros(cfg.num_hidden_layers, batch_size, capacity, cfg.num_key_value_heads,
-                             cfg.head_dim, dtype or jnp.dtype(cfg.dtype))
+        cache = KVCache.zeros(cfg.num_hidden_layers, batch_size, capacity, cfg.num_key_value_heads,
+                              cfg.head_dim, dtype or jnp.dtype(cfg.dtype))
+        return shard_cache(cache, self.mesh)
 
     def project(self, aux: Float[Array, "... A"]) -> Float[Array, "... H"]:
         """Target taps (concatenated) -> drafter feature space."""

@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--mesh", default=None,
+                   help="tensor/data parallelism, e.g. 'model=4' or 'data=2,model=4' (default: one device)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the warm-up call (then tokens/s includes compilation)")
     return p
@@ -44,9 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     from peagle_jax.checkpoints.default_model import resolve_model_path
     from peagle_jax.checkpoints.tokenizer import eos_token_ids, load_tokenizer
     from peagle_jax.generate import speculative_generate
+    from peagle_jax.sharding import make_mesh, maybe_initialize_distributed, shard_module
 
+    maybe_initialize_distributed()
     try:
         model_path = resolve_model_path(args.model)
+        mesh = make_mesh(args.mesh)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -64,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     elif method != "none":
         print(f"error: --method {method} needs --drafter", file=sys.stderr)
         return 2
+    shard_module(target, mesh)
+    if drafter is not None:
+        shard_module(drafter, mesh)
     print(f"loaded {model_path.name} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
     prompts = []

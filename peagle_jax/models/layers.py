@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -107,6 +108,7 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(head_dim, eps, dtype=dtype) if qk_norm else None
         self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
         self.attn_impl: str | None = None  # kernels_pallas implementation name; None = XLA
+        self.mesh = None  # set by peagle_jax.sharding.shard_module: attention runs under shard_map
 
     def __call__(
         self, x: Float[Array, "B T Din"], positions: Int[Array, "B T"], kv: LayerKV
@@ -120,7 +122,12 @@ class Attention(nnx.Module):
         inv_freq = rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # constant-folded
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         kv = LayerKV(write_rows(kv.k, k, positions), write_rows(kv.v, v, positions))
-        out = cache_attention(q, kv.k, kv.v, positions, implementation=self.attn_impl)
+        attn = functools.partial(cache_attention, implementation=self.attn_impl)
+        if self.mesh is not None:
+            from peagle_jax.sharding import sharded_attention
+
+            attn = sharded_attention(attn, self.mesh, b, self.num_kv_heads)
+        out = attn(q, kv.k, kv.v, positions)
         return self.o_proj(out.reshape(b, t, -1)), kv
 
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from peagle_jax.cache import KVCache
+from peagle_jax.cache import KVCache, shard_cache
 from peagle_jax.models.config import ModelConfig
 from peagle_jax.models.layers import MLP, Attention, MoE, RMSNorm
 
@@ -58,6 +58,7 @@ class CausalLM(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.config = cfg
+        self.mesh = None  # set by peagle_jax.sharding.shard_module
         dtype = jnp.dtype(cfg.dtype)
         self.embed_tokens = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
         self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)])
@@ -69,8 +70,9 @@ class CausalLM(nnx.Module):
 
     def init_cache(self, batch_size: int, capacity: int, dtype=None) -> KVCache:
         cfg = self.config
-        return KVCache.zeros(cfg.num_hidden_layers, batch_size, capacity, cfg.num_key_value_heads,
-                             cfg.head_dim, dtype or jnp.dtype(cfg.dtype))
+        cache = KVCache.zeros(cfg.num_hidden_layers, batch_size, capacity, cfg.num_key_value_heads,
+                              cfg.head_dim, dtype or jnp.dtype(cfg.dtype))
+        return shard_cache(cache, self.mesh)
 
     def embed(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
         return jnp.take(self.embed_tokens[...], tokens, axis=0)

@@ -1,0 +1,65 @@
+"""Run in a subprocess with 8 fake CPU devices (see test_sharding.py); prints one JSON line.
+
+XLA_FLAGS must be set before jax is imported, which pytest's own process has already done.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import numpy as np
+
+from peagle_jax.drafters import DrafterConfig, create_drafter
+from peagle_jax.generate import speculative_generate
+from peagle_jax.models import ModelConfig, create_model
+from peagle_jax.sharding import make_mesh, shard_module
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [5, 6]]
+
+
+def build(arch: str):
+    extra = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, qk_norm=True) if arch == "qwen3_moe" else {}
+    cfg = ModelConfig(architecture=arch, vocab_size=128, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=3, num_attention_heads=16, num_key_value_heads=8, head_dim=8, **extra)
+    target = create_model(cfg, seed=1)
+    dcfg = DrafterConfig.for_target(cfg, num_layers=2, parallel_drafting=True, mask_token_id=127)
+    return target, create_drafter(dcfg, seed=2)
+
+
+def _spec(x) -> list:
+    """PartitionSpec as a JSON list padded to the array rank (repr differs across jax versions)."""
+    spec = list(x.sharding.spec)
+    return spec + [None] * (x.ndim - len(spec))
+
+
+def run(mesh_spec: str | None, arch: str) -> dict:
+    target, drafter = build(arch)
+    mesh = make_mesh(mesh_spec)
+    shard_module(target, mesh)
+    shard_module(drafter, mesh)
+    out = {}
+    for method in ("none", "eagle3", "peagle"):
+        r = speculative_generate(target, drafter, PROMPTS, method=method, num_draft_tokens=3, max_new_tokens=12)
+        out[method] = r.tokens
+    q = target.layers[0].self_attn.q_proj.kernel.value
+    down = target.layers[0].mlp.down_proj
+    down = down.kernel.value if hasattr(down, "kernel") else down.value
+    dq = drafter.layers[0].self_attn.q_proj.kernel.value
+    if mesh is None:
+        return out
+    out["shardings"] = {
+        "q_proj": [_spec(q), list(q.addressable_shards[0].data.shape), len(q.sharding.device_set)],
+        "down_proj": [_spec(down), list(down.addressable_shards[0].data.shape)],
+        "drafter_q_proj": [_spec(dq), list(dq.addressable_shards[0].data.shape)],
+        "embed": [_spec(target.embed_tokens.value), list(target.embed_tokens.value.addressable_shards[0].data.shape)],
+    }
+    return out
+
+
+if __name__ == "__main__":
+    arch = sys.argv[1]
+    specs = sys.argv[2:]
+    assert len(jax.devices()) == 8, jax.devices()
+    print(json.dumps({spec: run(None if spec == "none" else spec, arch) for spec in specs}))
