@@ -8,15 +8,17 @@ Structure (``plgpu.kernel``, one warpgroup per CTA, grid ``(B, KVH, query blocks
   64 per warpgroup; rows padded, see `kernels_pallas._common`), loaded once by TMA, so each K/V
   block is read once from HBM for all G heads (GQA reuse).
 * K/V blocks ``[BK, D]`` are TMA-copied straight out of the ``[B, S, KVH, D]`` cache (a strided
-  2-D box, no relayout) into a 2-slot ring: block j+1 is in flight while block j is computed.
+  2-D box, no relayout) into a ring of ``num_slots`` buffers: blocks j+1 .. j+num_slots-1 are
+  in flight while block j is computed, and a slot is refilled as soon as block j is done.
 * ``S = Q @ K.T`` and ``O += P @ V`` are wgmma with float32 accumulators; online softmax in
   float32 in the log2 domain; each row is masked by its own absolute position (loaded into the
   wgmma row layout), and the loop stops at the query block's max position (computed in XLA), not
   at the cache capacity.
 * Split-K over the key range when (batch x kv head) programs underfill the GPU, merged in XLA.
 * K/V dtypes: bfloat16 / float16 (same as q). float8_e4m3fn K/V: the fp8 block is TMA-copied
-  (half the bytes), upcast to q's dtype in registers with the scale applied per key row
-  (per-token) or per program (per-head), written to a 16-bit SMEM tile, then the same wgmma.
+  (half the bytes), upcast to q's dtype in registers with the per-token scale applied per key
+  row, written to a 16-bit SMEM tile, then the same wgmma (16-bit caches with scales take the
+  same path). Per-head scales are scalars per program, folded into the softmax scale / output.
   float32 q/K/V are not handled here (`cache_attention` routes them to Triton).
 
 Head dims 64 and 128. Needs a Hopper GPU to run natively; on CPU it runs in Mosaic GPU's own
@@ -53,7 +55,7 @@ SUPPORTED_Q_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_KV_DTYPES = SUPPORTED_Q_DTYPES + (jnp.dtype(jnp.float8_e4m3fn),)
 
 
-def supports(q_dtype, kv_dtype, head_dim: int) -> str | None:
+def supports(q_dtype, kv_dtype, head_dim: int, seq_len: int | None = None) -> str | None:
     """None if this kernel handles the combination, else the reason it does not."""
     if jnp.dtype(q_dtype) not in SUPPORTED_Q_DTYPES:
         return f"q dtype {jnp.dtype(q_dtype)} (needs bfloat16/float16)"
@@ -64,7 +66,18 @@ def supports(q_dtype, kv_dtype, head_dim: int) -> str | None:
         return f"kv dtype {kv} != q dtype {jnp.dtype(q_dtype)}"
     if head_dim not in (64, 128):
         return f"head_dim {head_dim} (needs 64 or 128)"
+    if seq_len is not None and seq_len % 64:
+        return f"cache length {seq_len} (needs a multiple of 64)"
     return None
+
+
+def interpreter_available() -> bool:
+    """Whether this jax has the (private) Mosaic GPU CPU interpreter."""
+    try:
+        _interpret_params()
+    except Exception:  # noqa: BLE001
+        return False
+    return True
 
 
 def _interpret_params():
@@ -92,8 +105,9 @@ def _kernel(
     sm_scale: float,
     block_k: int,
     num_splits: int,
+    num_slots: int,
     scale_mode: str | None,
-    fp8: bool,
+    dequant: bool,
     dtype,
     interpret: bool,
 ):
@@ -142,9 +156,11 @@ def _kernel(
         plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar.at[slot])
 
-    @pl.when(lo < hi)
-    def _():
-        issue(lo, 0)
+    for i in range(num_slots):  # prologue: fill the ring
+
+        @pl.when(lo + i < hi)
+        def _():
+            issue(lo + i, i)
 
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     col_layout = plgpu.Layout.WGMMA.reduce(0)
@@ -156,10 +172,11 @@ def _kernel(
         qk_scale = ks_ref[h] * qk_scale
     plgpu.barrier_wait(q_bar)
 
-    def dequant(src_smem, dst_smem, scale_ref, j):
+    def upcast(src_smem, dst_smem, scale_ref, j):
         x = src_smem[...].astype(jnp.float32)  # [BK, D]
         if scale_mode == "per_token":
-            sc = load_vec(scale_ref.at[b, h, pl.ds(j * block_k, block_k)], row_layout)
+            # [B, S, KVH] scales, read in place (stride KVH): no relayout pass over them.
+            sc = load_vec(scale_ref.at[b, pl.ds(j * block_k, block_k), h], row_layout)
             x = x * lax.broadcast_in_dim(sc, x.shape, [0])
         dst_smem[...] = x.astype(dtype)
         plgpu.commit_smem()
@@ -168,21 +185,17 @@ def _kernel(
 
     def body(j, carry):
         acc, m_i, l_i = carry
-        slot = lax.rem(j - lo, jnp.int32(2))
-
-        @pl.when(j + 1 < hi)
-        def _():
-            issue(j + 1, 1 - slot)
+        slot = lax.rem(j - lo, jnp.int32(num_slots))
 
         plgpu.barrier_wait(k_bar.at[slot])
-        if fp8:
-            dequant(k_smem.at[slot], kc_smem, ks_ref, j)
+        if dequant:
+            upcast(k_smem.at[slot], kc_smem, ks_ref, j)
             k_tile = kc_smem
         else:
             k_tile = k_smem.at[slot]
 
         def compute_qk(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
+            plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
             return acc_ref[...]
 
         if interpret:
@@ -207,8 +220,8 @@ def _kernel(
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
         plgpu.barrier_wait(v_bar.at[slot])
-        if fp8:
-            dequant(v_smem.at[slot], vc_smem, vs_ref, j)
+        if dequant:
+            upcast(v_smem.at[slot], vc_smem, vs_ref, j)
             v_tile = vc_smem
         else:
             v_tile = v_smem.at[slot]
@@ -222,6 +235,12 @@ def _kernel(
             acc = acc + jnp.dot(p16, v_tile[...], preferred_element_type=jnp.float32)
         else:
             acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+
+        # Both products of block j are complete (their results were read): refill its slot.
+        @pl.when(j + num_slots < hi)
+        def _():
+            issue(j + num_slots, slot)
+
         return acc, m_new, l_i
 
     acc = layout_cast(jnp.full((BLOCK_M, head_dim), 0, dtype=jnp.float32), plgpu.Layout.WGMMA)
@@ -266,18 +285,23 @@ def cache_attention_mosaic(
     k_scale=None,
     v_scale=None,
     sm_scale: float | None = None,
-    interpret: bool = False,
+    interpret=False,
     block_k: int = 64,
     num_splits: int | None = None,
+    num_slots: int | None = None,
 ):
-    """Mosaic GPU cache attention; see the module docstring."""
+    """Mosaic GPU cache attention; see the module docstring.
+
+    ``interpret``: False (compile for the GPU), True (Mosaic GPU's CPU interpreter), or an
+    ``InterpretGPUParams`` instance (e.g. with ``detect_races=True``).
+    """
     b, t, h, d = q.shape
     _, s, kvh, dk = k_cache.shape
     if dk != d or v_cache.shape != k_cache.shape or k_cache.shape[0] != b:
         raise ValueError(f"shape mismatch: q {q.shape}, k {k_cache.shape}, v {v_cache.shape}")
     if h % kvh:
         raise ValueError(f"num heads {h} not a multiple of kv heads {kvh}")
-    if (why := supports(q.dtype, k_cache.dtype, d)) is not None:
+    if (why := supports(q.dtype, k_cache.dtype, d, s)) is not None:
         raise NotImplementedError(f"cache_attention_mosaic does not support {why}")
     if v_cache.dtype != k_cache.dtype:
         raise NotImplementedError("k and v caches must share a dtype")
@@ -287,8 +311,6 @@ def cache_attention_mosaic(
     fp8 = jnp.dtype(k_cache.dtype) == jnp.dtype(jnp.float8_e4m3fn)
 
     if s % block_k:
-        if s % 64:
-            raise NotImplementedError(f"cache length {s} must be a multiple of 64")
         block_k = 64
     n_q = -(-(t * g) // BLOCK_M)
     m_pad = n_q * BLOCK_M
@@ -300,34 +322,34 @@ def cache_attention_mosaic(
     nblk = ((max_pos + block_k) // block_k).astype(jnp.int32)  # [B, n_q]
 
     scale_mode, ks, vs = prepare_scales(k_scale, v_scale, b, s, kvh)
-    if scale_mode is not None and not fp8:
-        # 16-bit caches with scales: fold via the reference semantics is not this kernel's job.
-        raise NotImplementedError("scales are only supported with a float8_e4m3fn cache")
+    # Scaled or fp8 caches go through the upcast-in-registers path ("dequant").
+    dequant = fp8 or scale_mode is not None
     if fp8 and scale_mode is None:
         scale_mode = "per_head"
         ks = vs = jnp.ones((kvh,), jnp.float32)
-    if scale_mode == "per_token":
-        ks = ks.transpose(0, 2, 1)  # [B, KVH, S]: contiguous per (b, kv head)
-        vs = vs.transpose(0, 2, 1)
 
     if num_splits is None:
         num_splits = choose_num_splits(b, kvh, n_q, s)
     num_splits = max(1, min(int(num_splits), s // block_k))
 
     kv_dtype = jnp.dtype(k_cache.dtype)
+    if num_slots is None:
+        # ~112 KB of SMEM for D=128 (two CTAs per SM): 3 x 16-bit or 4 x fp8 K/V blocks in flight.
+        num_slots = 4 if kv_dtype.itemsize == 1 else 3
+    num_slots = max(1, int(num_slots))
     tr16 = _smem_transforms(dtype, d)
     tr_kv = _smem_transforms(kv_dtype, d)
     scratch = [
         plgpu.SMEM((BLOCK_M, d), dtype, transforms=tr16),  # q (and the 16-bit output)
-        plgpu.SMEM((2, block_k, d), kv_dtype, transforms=tr_kv),  # k ring
-        plgpu.SMEM((2, block_k, d), kv_dtype, transforms=tr_kv),  # v ring
-        plgpu.SMEM((block_k, d), dtype, transforms=tr16) if fp8 else None,  # upcast k
-        plgpu.SMEM((block_k, d), dtype, transforms=tr16) if fp8 else None,  # upcast v
+        plgpu.SMEM((num_slots, block_k, d), kv_dtype, transforms=tr_kv),  # k ring
+        plgpu.SMEM((num_slots, block_k, d), kv_dtype, transforms=tr_kv),  # v ring
+        plgpu.SMEM((block_k, d), dtype, transforms=tr16) if dequant else None,  # upcast k
+        plgpu.SMEM((block_k, d), dtype, transforms=tr16) if dequant else None,  # upcast v
         plgpu.SMEM((BLOCK_M, d), jnp.float32) if num_splits > 1 else None,  # partial o
         plgpu.SMEM((2, BLOCK_M), jnp.float32) if num_splits > 1 else None,  # partial m, l
         plgpu.Barrier(num_barriers=1),
-        plgpu.Barrier(num_barriers=2),
-        plgpu.Barrier(num_barriers=2),
+        plgpu.Barrier(num_barriers=num_slots),
+        plgpu.Barrier(num_barriers=num_slots),
     ]
     if num_splits == 1:
         out_type = jax.ShapeDtypeStruct((b, kvh, m_pad, d), dtype)
@@ -342,10 +364,11 @@ def cache_attention_mosaic(
         sm_scale=sm_scale,
         block_k=block_k,
         num_splits=num_splits,
+        num_slots=num_slots,
         scale_mode=scale_mode,
-        fp8=fp8,
+        dequant=dequant,
         dtype=dtype,
-        interpret=interpret,
+        interpret=interpret is not False,
     )
     args = [qr, k_cache, v_cache, pos, nblk]
     if scale_mode is not None:
@@ -357,7 +380,9 @@ def cache_attention_mosaic(
         grid=(b, kvh, n_q * num_splits),
         grid_names=("b", "h", "qs"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=_interpret_params() if interpret else None,
+        interpret=(
+            None if interpret is False else _interpret_params() if interpret is True else interpret
+        ),
     )
     outs = call(*args)
     if num_splits == 1:

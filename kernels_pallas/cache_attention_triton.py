@@ -139,6 +139,16 @@ def _kernel(
         l_ref[...] = l_i
 
 
+def supports(q_dtype, kv_dtype, head_dim: int) -> str | None:
+    """None if this kernel handles the combination, else the reason it does not."""
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"head_dim {head_dim} (needs a power of two >= 16)"
+    for name, dt in (("q", q_dtype), ("kv", kv_dtype)):
+        if not jnp.issubdtype(jnp.dtype(dt), jnp.floating):
+            return f"{name} dtype {jnp.dtype(dt)}"
+    return None
+
+
 def choose_num_splits(b: int, kvh: int, n_qblocks: int, s: int) -> int:
     """Split the key range when (batch x kv head x query block) programs underfill the GPU."""
     programs = b * kvh * n_qblocks
@@ -162,7 +172,7 @@ def cache_attention_triton(
     block_k: int | None = None,
     num_splits: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 3,
 ):
     """Pallas (Triton lowering) cache attention; see the module docstring."""
     b, t, h, d = q.shape
