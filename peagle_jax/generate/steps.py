@@ -361,3 +361,38 @@ def prefill(
     )
     output, out_len, done, hit_eos = _commit(state, first[:, None], jnp.ones((b,), jnp.int32), num_draft + 1)
     return state._replace(output=output, out_len=out_len, done=done, hit_eos=hit_eos)
+
+
+# --------------------------------------------------------------------------- slots (serving)
+
+# SpecState fields that are shared by the whole batch rather than per sequence.
+_SHARED_FIELDS = ("eos_ids", "key", "round_idx")
+
+
+def insert_sequences(state: SpecState, new: SpecState, slots: Int[Array, "n"]) -> SpecState:
+    """Write the n sequences of `new` (e.g. fresh from `prefill`) into batch rows `slots`.
+
+    Every per-sequence array (both KV caches and their lengths, pending rows, output buffer,
+    counters, sampling settings) is scattered at `slots`; a slot index >= the batch size is
+    dropped, so padding rows of a bucketed prefill batch can point past the end. The shared
+    fields (eos ids, PRNG key, round counter) are kept from `state`. `new` must have been
+    built with the same cache capacity, output size and number of draft tokens.
+    """
+    slots = jnp.asarray(slots, jnp.int32)
+
+    def put(big, small):
+        return big.at[slots].set(small.astype(big.dtype), mode="drop")
+
+    fields = {}
+    for name in SpecState._fields:
+        old, fresh = getattr(state, name), getattr(new, name)
+        if name in _SHARED_FIELDS or old is None:
+            fields[name] = old
+        else:
+            fields[name] = jax.tree.map(put, old, fresh)
+    return SpecState(**fields)
+
+
+def finish_sequences(state: SpecState, mask: Bool[Array, "B"]) -> SpecState:
+    """Mark rows finished (frozen by `spec_round`): how a server frees or empties slots."""
+    return state._replace(done=state.done | mask)

@@ -1,0 +1,170 @@
+"""Server configuration: a pydantic model, filled from a YAML file and command-line flags.
+
+Precedence: built-in defaults < ``--config FILE.yaml`` < flags given on the command line.
+Unknown YAML keys and out-of-range values are errors (exit status 2 from the CLI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = ["DEFAULT_DRAFTER", "Mesh", "ServeConfig", "build_parser", "config_from_args", "parse_mesh"]
+
+#: Where the trained P-EAGLE head for the default model is expected. Used only when no
+#: drafter is configured and the default model is served; when the directory is absent the
+#: server falls back to plain decoding (method "none") and logs that it did.
+DEFAULT_DRAFTER = "assets/heads/smollm2-135m-peagle"
+
+_MESH_RE = re.compile(r"^\s*(data|model)\s*=\s*(\d+)\s*$")
+
+
+class Mesh(BaseModel):
+    """Device mesh shape: ``data`` x ``model`` devices (``data=D,model=M`` on the command line)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    data: int = Field(1, ge=1)
+    model: int = Field(1, ge=1)
+
+    @property
+    def size(self) -> int:
+        return self.data * self.model
+
+    def __str__(self) -> str:
+        return f"data={self.data},model={self.model}"
+
+
+def parse_mesh(spec: str | dict | Mesh | None) -> Mesh:
+    """``"data=2,model=4"`` (either axis may be left out, default 1) -> Mesh."""
+    if spec is None:
+        return Mesh()
+    if isinstance(spec, Mesh):
+        return spec
+    if isinstance(spec, dict):
+        return Mesh(**spec)
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"mesh must look like 'data=D,model=M', got {spec!r}")
+    axes: dict[str, int] = {}
+    for part in spec.split(","):
+        m = _MESH_RE.match(part)
+        if not m:
+            raise ValueError(f"mesh must look like 'data=D,model=M' (positive integers), got {spec!r}")
+        name, value = m.group(1), int(m.group(2))
+        if name in axes:
+            raise ValueError(f"mesh axis {name!r} given twice in {spec!r}")
+        if value < 1:
+            raise ValueError(f"mesh axis {name}={value} must be >= 1")
+        axes[name] = value
+    return Mesh(**axes)
+
+
+class ServeConfig(BaseModel):
+    """Everything `python -m peagle_jax.serve` can be told (YAML keys = field names)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # --- models
+    model: str | None = Field(None, description="a .gguf file, an HF directory, or 'default' (SmolLM2-135M-Instruct)")
+    served_model_name: str | None = Field(None, description="model id clients send (default: derived from the model)")
+    drafter: str | None = Field(
+        None, description=f"draft head directory; unset = {DEFAULT_DRAFTER} for the default model if present; 'none' = no drafter"
+    )
+    method: Literal["auto", "none", "eagle3", "peagle"] = "auto"
+    num_draft_tokens: int = Field(5, ge=1, le=32)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    # --- engine
+    max_batch_size: int = Field(8, ge=1, le=1024)
+    max_model_len: int | None = Field(2048, ge=2, description="prompt + completion tokens; None = the model's context")
+    max_queue_size: int = Field(64, ge=0)
+    max_prefill_batch: int = Field(4, ge=1, description="new requests prefilled together (padded to a power of two)")
+    min_prompt_bucket: int = Field(16, ge=1)
+    mesh: Mesh = Field(default_factory=Mesh)
+    seed: int = 0
+    warmup: bool = Field(True, description="compile the round and a small prefill before accepting requests")
+    drain_timeout: float = Field(30.0, ge=0, description="seconds to finish in-flight requests on SIGTERM")
+    # --- HTTP
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>' on /v1/*")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("mesh", mode="before")
+    @classmethod
+    def _mesh(cls, v: Any) -> Mesh:
+        return parse_mesh(v)
+
+    @field_validator("api_key", "drafter", "model", "served_model_name", mode="before")
+    @classmethod
+    def _empty_is_none(cls, v: Any) -> Any:
+        return None if isinstance(v, str) and not v.strip() else v
+
+    @model_validator(mode="after")
+    def _check(self) -> "ServeConfig":
+        if self.drafter is not None and self.drafter.lower() == "none" and self.method in ("eagle3", "peagle"):
+            raise ValueError(f"method {self.method!r} needs a drafter (drafter is 'none')")
+        return self
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> "ServeConfig":
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
+        data.update(overrides)
+        return cls(**data)
+
+
+# Flags -> fields. Every flag defaults to None (= "not given"), so YAML values survive.
+_FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
+    (("--model",), dict(help="a .gguf file or an HF model directory (default: SmolLM2-135M-Instruct)")),
+    (("--served-model-name",), dict(help="model id reported by /v1/models and accepted in requests")),
+    (("--drafter",), dict(help=f"draft head directory, or 'none' (default: {DEFAULT_DRAFTER} if present)")),
+    (("--method",), dict(choices=("auto", "none", "eagle3", "peagle"))),
+    (("-k", "--num-draft-tokens"), dict(type=int)),
+    (("--dtype",), dict(choices=("float32", "bfloat16"))),
+    (("--max-batch-size",), dict(type=int, help="concurrent sequences (batch slots)")),
+    (("--max-model-len",), dict(type=int, help="prompt + completion tokens per request")),
+    (("--max-queue-size",), dict(type=int, help="waiting requests before answering 429")),
+    (("--max-prefill-batch",), dict(type=int)),
+    (("--mesh",), dict(help="device mesh, e.g. data=1,model=1")),
+    (("--seed",), dict(type=int)),
+    (("--no-warmup",), dict(action="store_const", const=False, dest="warmup")),
+    (("--drain-timeout",), dict(type=float, help="seconds to finish in-flight requests on SIGTERM")),
+    (("--host",), dict(help="bind address (default 127.0.0.1: localhost only)")),
+    (("--port",), dict(type=int)),
+    (("--api-key",), dict(help="require this Bearer token on /v1/* (or set PEAGLE_API_KEY)")),
+    (("--log-level",), dict(choices=("debug", "info", "warning", "error"))),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m peagle_jax.serve",
+        description="OpenAI-compatible server with P-EAGLE / EAGLE-3 speculative decoding.",
+    )
+    p.add_argument("--config", help="YAML file of settings (flags override it)")
+    for names, kw in _FLAGS:
+        p.add_argument(*names, default=None, **kw)
+    return p
+
+
+def config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None) -> ServeConfig:
+    """Merge YAML (when --config) with the flags that were given. Raises ValueError/ValidationError."""
+    overrides = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
+    if env is not None and "api_key" not in overrides and env.get("PEAGLE_API_KEY"):
+        overrides["api_key"] = env["PEAGLE_API_KEY"]
+    if args.config:
+        return ServeConfig.from_yaml(args.config, **overrides)
+    return ServeConfig(**overrides)
+
+
+def format_validation_error(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ())) or "config"
+        lines.append(f"{loc}: {err.get('msg')}")
+    return "; ".join(lines)

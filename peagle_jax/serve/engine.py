@@ -1,0 +1,500 @@
+"""Continuous-batching engine: B slots, one jitted speculative round per step.
+
+The batch state is one `SpecState` with B rows and a fixed cache capacity
+(max_model_len + 2K + 2). Each engine step is:
+
+  1. cancellations / stop-string hits -> rows marked done (jitted `finish_sequences`);
+  2. admission: waiting requests get free slots; they are prefilled together (jitted `prefill`,
+     prompt length bucketed to a power of two, batch padded to a power of two) and written into
+     their slots (jitted `insert_sequences`: every per-sequence array, both KV caches);
+  3. one speculative round over the whole batch (jitted `spec_round`, one compilation per
+     greedy flag); finished and empty rows are `done` and stay frozen.
+
+The loop runs in its own thread. Requests carry a `sink` callback that receives `Delta`,
+`Finished` and `Failed` events from that thread (the HTTP layer forwards them to asyncio with
+`loop.call_soon_threadsafe`). Detokenization and stop strings are handled here, so a stop
+string frees its slot at the next round boundary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from peagle_jax.drafters.eagle3 import Eagle3Drafter
+from peagle_jax.generate.speculative import prompt_bucket
+from peagle_jax.generate.steps import (
+    METHODS, SamplingParams, SpecState, finish_sequences, insert_sequences, prefill, spec_round,
+)
+from peagle_jax.serve.detokenize import IncrementalDetokenizer, StopStrings
+from peagle_jax.serve.metrics import Metrics
+
+log = logging.getLogger("peagle_jax.serve")
+
+__all__ = ["Delta", "Engine", "EngineStopped", "Failed", "Finished", "GenRequest", "QueueFull"]
+
+
+# --------------------------------------------------------------------------- events
+
+
+@dataclasses.dataclass
+class Delta:
+    text: str
+    num_tokens: int
+
+
+@dataclasses.dataclass
+class Finished:
+    reason: str  # "stop" | "length" | "abort"
+    prompt_tokens: int
+    completion_tokens: int
+    text: str = ""  # any last text released at the end (already included in no Delta)
+
+
+@dataclasses.dataclass
+class Failed:
+    message: str
+
+
+class QueueFull(Exception):
+    pass
+
+
+class EngineStopped(Exception):
+    pass
+
+
+_ids = itertools.count()
+
+
+@dataclasses.dataclass(eq=False)
+class GenRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sink: Callable[[Any], None]
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    id: int = dataclasses.field(default_factory=lambda: next(_ids))
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    # engine-side state
+    cancelled: bool = False
+    slot: int | None = None
+    first_token_time: float | None = None
+    completion_tokens: int = 0
+    detok: IncrementalDetokenizer | None = None
+    stopper: StopStrings | None = None
+    finished: bool = False
+
+
+# --------------------------------------------------------------------------- jitted steps
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("target_def", "drafter_def", "method", "num_draft", "greedy", "capacity", "out_size"),
+)
+def _prefill_jit(target_state, drafter_state, tokens, lens, max_new, sp, eos_ids, key,
+                 *, target_def, drafter_def, method, num_draft, greedy, capacity, out_size):
+    target = nnx.merge(target_def, target_state)
+    drafter = nnx.merge(drafter_def, drafter_state) if drafter_def is not None else None
+    return prefill(target, drafter, tokens, lens, method=method, num_draft=num_draft, greedy=greedy,
+                   capacity=capacity, out_size=out_size, max_new=max_new, sp=sp, eos_ids=eos_ids, key=key)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("target_def", "drafter_def", "method", "num_draft", "greedy"), donate_argnames=("state",)
+)
+def _round_jit(target_state, drafter_state, state, *, target_def, drafter_def, method, num_draft, greedy):
+    """One round; also returns what the host needs: the new tokens of each row and stats."""
+    target = nnx.merge(target_def, target_state)
+    drafter = nnx.merge(drafter_def, drafter_state) if drafter_def is not None else None
+    prev_len, prev_hist = state.out_len, state.accepted_per_pos
+    new = spec_round(target, drafter, state, method=method, num_draft=num_draft, greedy=greedy)
+    idx = prev_len[:, None] + jnp.arange(num_draft + 1)[None, :]
+    toks = jnp.take_along_axis(new.output, jnp.minimum(idx, new.output.shape[1] - 1), axis=1)
+    accepted = jnp.sum(new.accepted_per_pos - prev_hist, axis=1)
+    return new, (toks, new.out_len - prev_len, new.done, new.hit_eos, accepted)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _insert_jit(state, new, slots):
+    return insert_sequences(state, new, slots)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _finish_jit(state, mask):
+    return finish_sequences(state, mask)
+
+
+def _pow2(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+# --------------------------------------------------------------------------- engine
+
+
+class Engine:
+    """Owns the models, the batch state and the loop thread."""
+
+    def __init__(
+        self,
+        target,
+        drafter,
+        tokenizer,
+        eos_ids: Sequence[int],
+        *,
+        method: str = "none",
+        num_draft_tokens: int = 5,
+        max_batch_size: int = 8,
+        max_model_len: int = 2048,
+        max_queue_size: int = 64,
+        max_prefill_batch: int = 4,
+        min_prompt_bucket: int = 16,
+        seed: int = 0,
+        metrics: Metrics | None = None,
+    ):
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if method != "none" and drafter is None:
+            raise ValueError(f"method {method!r} needs a drafter")
+        if method == "peagle" and isinstance(drafter, Eagle3Drafter) and drafter.config.mask_token_id is None:
+            raise ValueError("method 'peagle' needs a parallel-drafting (P-EAGLE) head; this one is EAGLE-3 only")
+        max_ctx = target.config.max_position_embeddings
+        if max_model_len > max_ctx:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's context ({max_ctx})")
+        self.method = method
+        self.k = num_draft_tokens if method != "none" else 0
+        self.max_batch_size = max_batch_size
+        self.max_model_len = max_model_len
+        self.max_queue_size = max_queue_size
+        self.max_prefill_batch = max(1, min(max_prefill_batch, max_batch_size))
+        self.min_prompt_bucket = min_prompt_bucket
+        self.capacity = max_model_len + 2 * self.k + 2
+        self.out_size = max_model_len
+        self.tokenizer = tokenizer
+        self.tokenizer_lock = threading.Lock()
+        self.metrics = metrics or Metrics(self.k, max_batch_size)
+        self.vocab_size = target.config.vocab_size
+        self._target_def, self._target_state = nnx.split(target)
+        if drafter is not None and method != "none":
+            self._drafter_def, self._drafter_state = nnx.split(drafter)
+        else:
+            self._drafter_def, self._drafter_state = None, None
+        self._eos = jnp.asarray(np.array(list(eos_ids) or [-1], np.int32))
+        self._key = jax.random.key(seed)
+        self._prefill_count = 0
+        self._state: SpecState | None = None
+        self._slots: list[GenRequest | None] = [None] * max_batch_size
+        self._waiting: deque[GenRequest] = deque()
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False  # no new requests
+        self._abort = False  # cancel everything and exit
+        self.started = False
+
+    # ------------------------------------------------------------------ public API
+
+    def start(self, warmup: bool = True) -> None:
+        self._state = self._empty_state()
+        if warmup:
+            t0 = time.perf_counter()
+            self._warmup()
+            log.info("engine compiled and warmed up in %.1fs", time.perf_counter() - t0)
+        self._thread = threading.Thread(target=self._run, name="peagle-engine", daemon=True)
+        self._thread.start()
+        self.started = True
+
+    def submit(self, req: GenRequest) -> None:
+        """Queue a request (prompt already validated). Raises QueueFull / EngineStopped."""
+        with self._cv:
+            if self._stopping or not self.started:
+                raise EngineStopped("the server is shutting down")
+            if len(self._waiting) >= self.max_queue_size and self.num_free_slots() == 0:
+                raise QueueFull(f"the request queue is full ({self.max_queue_size} waiting)")
+            self._waiting.append(req)
+            self.metrics.queue_depth.set(len(self._waiting))
+            self._cv.notify()
+
+    def cancel(self, req: GenRequest) -> None:
+        """Drop a request (client went away): its slot is freed at the next round boundary."""
+        with self._cv:
+            if not req.finished:
+                req.cancelled = True
+                self._cv.notify()
+
+    def num_free_slots(self) -> int:
+        return sum(r is None for r in self._slots)
+
+    def stats(self) -> dict[str, int]:
+        with self._cv:
+            return {
+                "active": self.max_batch_size - self.num_free_slots(),
+                "waiting": len(self._waiting),
+                "slots": self.max_batch_size,
+            }
+
+    def shutdown(self, drain_timeout: float = 0.0) -> None:
+        """Stop taking requests; let in-flight ones finish for up to `drain_timeout` s, then
+        cancel the rest (they get finish_reason "abort") and stop the thread."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        deadline = time.monotonic() + drain_timeout
+        while time.monotonic() < deadline:
+            s = self.stats()
+            if s["active"] == 0 and s["waiting"] == 0:
+                break
+            time.sleep(0.02)
+        with self._cv:
+            self._abort = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        # Anything left (thread died or never started) is failed, never left hanging.
+        for r in list(self._waiting) + [r for r in self._slots if r is not None]:
+            self._finish(r, "abort")
+        self._waiting.clear()
+        self._slots = [None] * self.max_batch_size
+
+    # ------------------------------------------------------------------ state
+
+    def _prefill(self, tokens, lens, max_new, sp, key, greedy):
+        return _prefill_jit(
+            self._target_state, self._drafter_state, tokens, lens, max_new, sp, self._eos, key,
+            target_def=self._target_def, drafter_def=self._drafter_def, method=self.method, num_draft=self.k,
+            greedy=greedy, capacity=self.capacity, out_size=self.out_size,
+        )
+
+    def _round(self, greedy: bool):
+        self._state, out = _round_jit(
+            self._target_state, self._drafter_state, self._state, target_def=self._target_def,
+            drafter_def=self._drafter_def, method=self.method, num_draft=self.k, greedy=greedy,
+        )
+        return jax.device_get(out)
+
+    def _empty_state(self) -> SpecState:
+        b, t = self.max_batch_size, self.min_prompt_bucket
+        shapes = jax.eval_shape(
+            lambda: self._prefill(
+                jnp.zeros((b, t), jnp.int32), jnp.ones((b,), jnp.int32), jnp.ones((b,), jnp.int32),
+                SamplingParams.full(b), self._key, False,
+            )
+        )
+
+        # Fresh buffers throughout: the batch state is donated to every jitted step, so it must
+        # not share arrays with anything the engine keeps (eos ids, the base key).
+        key = jax.random.fold_in(self._key, 0)
+
+        def zeros(s):
+            if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key):
+                return key
+            return jnp.zeros(s.shape, s.dtype)
+
+        state = jax.tree.map(zeros, shapes)
+        return state._replace(done=jnp.ones((b,), bool), eos_ids=jnp.array(self._eos, copy=True), key=key)
+
+    def _warmup(self) -> None:
+        """Compile the common shapes: a 1-row prefill, the insert, both round variants."""
+        for greedy in (True, False):
+            sp = SamplingParams.full(1, 0.0 if greedy else 1.0)
+            new = self._prefill(jnp.zeros((1, self.min_prompt_bucket), jnp.int32), jnp.ones((1,), jnp.int32),
+                                jnp.full((1,), 2, jnp.int32), sp, self._key, False)
+            self._state = _insert_jit(self._state, new, jnp.zeros((1,), jnp.int32))
+            self._round(greedy)
+            self._state = _finish_jit(self._state, jnp.ones((self.max_batch_size,), bool))
+        jax.block_until_ready(self._state)
+        self._state = self._empty_state()
+
+    # ------------------------------------------------------------------ loop
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._abort or self._waiting or self._any_active() or self._any_cancelled()):
+                    self._cv.wait()
+                if self._abort:
+                    break
+                free = [i for i, r in enumerate(self._slots) if r is None]
+                admit: list[GenRequest] = []
+                while self._waiting and len(admit) < len(free):
+                    r = self._waiting.popleft()
+                    if r.cancelled:
+                        self._finish(r, "abort")
+                    else:
+                        admit.append(r)
+                self.metrics.queue_depth.set(len(self._waiting))
+            try:
+                self._free_cancelled()
+                if admit:
+                    self._admit(admit, free)
+                if self._any_active():
+                    self._step()
+            except Exception as e:  # keep serving: fail the requests in flight, reset the batch
+                log.exception("engine step failed")
+                for r in admit + [r for r in self._slots if r is not None]:
+                    self._fail(r, f"internal error in the engine: {type(e).__name__}: {e}")
+                self._slots = [None] * self.max_batch_size
+                self._state = self._empty_state()
+            self.metrics.batch_occupancy.set(self.max_batch_size - self.num_free_slots())
+        # abort: everything still here ends as "abort"
+        with self._cv:
+            rest = list(self._waiting) + [r for r in self._slots if r is not None]
+            self._waiting.clear()
+            self._slots = [None] * self.max_batch_size
+        for r in rest:
+            self._finish(r, "abort")
+
+    def _any_active(self) -> bool:
+        return any(r is not None for r in self._slots)
+
+    def _any_cancelled(self) -> bool:
+        return any(r is not None and r.cancelled for r in self._slots)
+
+    def _release(self, slots: list[int]) -> None:
+        if not slots:
+            return
+        mask = np.zeros((self.max_batch_size,), bool)
+        mask[slots] = True
+        self._state = _finish_jit(self._state, jnp.asarray(mask))
+        for s in slots:
+            self._slots[s] = None
+
+    def _free_cancelled(self) -> None:
+        gone = [i for i, r in enumerate(self._slots) if r is not None and r.cancelled]
+        for i in gone:
+            self._finish(self._slots[i], "abort")
+        self._release(gone)
+
+    def _admit(self, reqs: list[GenRequest], free: list[int]) -> None:
+        for r, s in zip(reqs, free):
+            r.slot = s
+            self._slots[s] = r
+        for i in range(0, len(reqs), self.max_prefill_batch):
+            self._prefill_group(reqs[i : i + self.max_prefill_batch])
+
+    def _prefill_group(self, reqs: list[GenRequest]) -> None:
+        n = len(reqs)
+        nb = _pow2(n)
+        t = prompt_bucket(max(len(r.prompt_ids) for r in reqs), self.min_prompt_bucket)
+        tokens = np.zeros((nb, t), np.int32)
+        lens = np.ones((nb,), np.int32)
+        max_new = np.ones((nb,), np.int32)
+        temp = np.zeros((nb,), np.float32)
+        top_k = np.zeros((nb,), np.int32)
+        top_p = np.ones((nb,), np.float32)
+        slots = np.full((nb,), self.max_batch_size, np.int32)  # padding rows are dropped
+        for i, r in enumerate(reqs):
+            tokens[i, : len(r.prompt_ids)] = r.prompt_ids
+            lens[i] = len(r.prompt_ids)
+            max_new[i] = r.max_new_tokens
+            temp[i], top_k[i], top_p[i] = r.temperature, r.top_k, r.top_p
+            slots[i] = r.slot
+        if n == 1 and reqs[0].seed is not None:
+            key = jax.random.key(reqs[0].seed)
+        else:
+            self._prefill_count += 1
+            key = jax.random.fold_in(self._key, self._prefill_count)
+        sp = SamplingParams(jnp.asarray(temp), jnp.asarray(top_k), jnp.asarray(top_p))
+        # The sampling path is exact for temperature-0 rows too (argmax), and one first token
+        # per row is cheap: one prefill compilation per shape instead of two.
+        new = self._prefill(jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(max_new), sp, key, False)
+        first, done, hit_eos = jax.device_get((new.output[:, 0], new.done, new.hit_eos))
+        self._state = _insert_jit(self._state, new, jnp.asarray(slots))
+        now = time.perf_counter()
+        self.metrics.prompt_tokens.inc(int(lens[:n].sum()))
+        finished = []
+        for i, r in enumerate(reqs):
+            r.first_token_time = now
+            self.metrics.ttft.observe(now - r.arrival)
+            if self._emit(r, [int(first[i])]) or done[i]:
+                self._finish(r, "stop" if (hit_eos[i] or r.stopper.hit) else "length")
+                finished.append(r.slot)
+        self._release(finished)
+
+    def _step(self) -> None:
+        active = [r for r in self._slots if r is not None]
+        greedy = all(r.temperature <= 0 for r in active)
+        toks, counts, done, hit_eos, accepted = self._round(greedy)
+        self.metrics.engine_steps.inc()
+        finished = []
+        for s, r in enumerate(self._slots):
+            if r is None:
+                continue
+            self.metrics.rounds.inc()
+            m = int(accepted[s])
+            self.metrics.acceptance_length.observe(m + 1)
+            for pos in range(m):
+                self.metrics.accepted.labels(position=str(pos + 1)).inc()
+            stopped = self._emit(r, toks[s, : counts[s]].tolist())
+            if stopped or done[s]:
+                self._finish(r, "stop" if (hit_eos[s] or r.stopper.hit) else "length")
+                finished.append(s)
+        self._release(finished)
+
+    # ------------------------------------------------------------------ per request
+
+    def _decode(self, ids: list[int]) -> str:
+        with self.tokenizer_lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _emit(self, r: GenRequest, tokens: list[int]) -> bool:
+        """Feed new tokens through the detokenizer and stop strings; True once a stop string hit."""
+        if r.detok is None:
+            r.detok = IncrementalDetokenizer(self._decode)
+            r.stopper = StopStrings(r.stop)
+        out = []
+        used = 0
+        for tok in tokens:
+            used += 1
+            out.append(r.stopper.add(r.detok.add([tok])))
+            if r.stopper.hit:
+                break
+        r.completion_tokens += used
+        self.metrics.generation_tokens.inc(used)
+        text = "".join(out)
+        if text:
+            r.sink(Delta(text, used))
+        return r.stopper.hit
+
+    def _finish(self, r: GenRequest, reason: str) -> None:
+        if r.finished:
+            return
+        r.finished = True
+        tail = ""
+        if r.detok is not None and reason != "abort":
+            if not r.stopper.hit:
+                tail = r.stopper.add(r.detok.flush())
+                reason = "stop" if r.stopper.hit else reason
+            tail += r.stopper.flush()
+        now = time.perf_counter()
+        self.metrics.requests.labels(finish_reason=reason).inc()
+        if reason != "abort":
+            self.metrics.e2e.observe(now - r.arrival)
+            if r.first_token_time is not None and r.completion_tokens > 1:
+                self.metrics.tpot.observe((now - r.first_token_time) / (r.completion_tokens - 1))
+        r.sink(Finished(reason, len(r.prompt_ids), r.completion_tokens, tail))
+
+    def _fail(self, r: GenRequest, message: str) -> None:
+        if r.finished:
+            return
+        r.finished = True
+        self.metrics.requests.labels(finish_reason="error").inc()
+        r.sink(Failed(message))

@@ -1,0 +1,83 @@
+"""OpenAI-compatible request bodies (strictly typed: "5" is not an integer here)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+
+Number = StrictFloat | StrictInt
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+
+
+class _SamplingRequest(BaseModel):
+    # Unknown fields (user, metadata, ...) are accepted and ignored, as OpenAI-compatible servers do.
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = Field(None, gt=0)
+    temperature: Annotated[Number, Field(ge=0)] | None = None
+    top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=16)] = 1
+    # Accepted for compatibility; only the neutral values are supported.
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    logprobs: Any = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if v is None:
+            return []
+        v = [v] if isinstance(v, str) else v
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, message) for a setting this server does not implement."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            val = getattr(self, name)
+            if val not in (None, 0, 0.0):
+                return name, f"{name} is not supported by this server (use 0)"
+        if self.logprobs not in (None, False, 0):
+            return "logprobs", "logprobs are not supported by this server"
+        return None
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: StrictStr | list[StrictStr] | list[StrictInt]
+    echo: StrictBool = False
+    suffix: StrictStr | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: StrictStr | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for p in self.content:
+            if p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise ValueError("only text content parts are supported")
+            parts.append(p["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(None, gt=0)
