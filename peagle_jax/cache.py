@@ -17,8 +17,31 @@ from jaxtyping import Array, Float, Int
 
 
 class LayerKV(NamedTuple):
+    """One layer's K/V. An FP8 (float8_e4m3fn) cache keeps per-token scales beside it."""
+
     k: Float[Array, "B S KVH D"]
     v: Float[Array, "B S KVH D"]
+    k_scale: Float[Array, "B S KVH 1"] | None = None
+    v_scale: Float[Array, "B S KVH 1"] | None = None
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.k_scale is not None
+
+    def write(self, k_rows: Float[Array, "B T KVH D"], v_rows: Float[Array, "B T KVH D"],
+              positions: Int[Array, "B T"]) -> "LayerKV":
+        """Write new rows at their positions, quantizing on write for an FP8 cache."""
+        if not self.is_fp8:
+            return LayerKV(write_rows(self.k, k_rows, positions), write_rows(self.v, v_rows, positions))
+        from kernels_pallas.fp8 import compute_scale, quantize_with_scale
+
+        ks, vs = compute_scale(k_rows), compute_scale(v_rows)  # per token and head: [B, T, KVH, 1]
+        return LayerKV(
+            write_rows(self.k, quantize_with_scale(k_rows, ks), positions),
+            write_rows(self.v, quantize_with_scale(v_rows, vs), positions),
+            write_rows(self.k_scale, ks, positions),
+            write_rows(self.v_scale, vs, positions),
+        )
 
 
 class KVCache(NamedTuple):
@@ -46,7 +69,16 @@ class KVCache(NamedTuple):
         dtype=jnp.float32,
     ) -> "KVCache":
         shape = (batch_size, capacity, num_kv_heads, head_dim)
-        layers = tuple(LayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers))
+        dtype = jnp.dtype(dtype)
+        if dtype == jnp.float8_e4m3fn:
+            scale_shape = shape[:3] + (1,)
+            make = lambda: LayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                                   jnp.zeros(scale_shape, jnp.float32), jnp.zeros(scale_shape, jnp.float32))
+        elif jnp.issubdtype(dtype, jnp.floating):
+            make = lambda: LayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        else:
+            raise ValueError(f"unsupported KV cache dtype {dtype}; use float32, bfloat16 or float8_e4m3fn")
+        layers = tuple(make() for _ in range(num_layers))
         return cls(layers=layers, lengths=jnp.zeros((batch_size,), jnp.int32))
 
     def with_lengths(self, lengths: Int[Array, "B"]) -> "KVCache":
@@ -77,5 +109,5 @@ def shard_cache(cache: KVCache, mesh) -> KVCache:
 
     b, _, kvh, _ = cache.layers[0].k.shape
     spec = cache_spec(b, kvh, mesh)
-    layers = tuple(LayerKV(constrain(l.k, spec, mesh), constrain(l.v, spec, mesh)) for l in cache.layers)
+    layers = tuple(LayerKV(*(None if a is None else constrain(a, spec, mesh) for a in l)) for l in cache.layers)
     return cache._replace(layers=layers, lengths=constrain(cache.lengths, type(spec)(spec[0]), mesh))

@@ -129,7 +129,7 @@ def constrain(x: jax.Array, spec: P, mesh: Mesh | None) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-def sharded_attention(attn_fn, mesh: Mesh, batch: int, num_kv_heads: int):
+def sharded_attention(attn_fn, mesh: Mesh, batch: int, num_kv_heads: int, *, fp8: bool = False):
     """Wrap a per-device attention op in shard_map: each device attends its own KV heads.
 
     q heads h = kv_head * G + g, so a contiguous split of the H query heads and of the KVH
@@ -137,6 +137,11 @@ def sharded_attention(attn_fn, mesh: Mesh, batch: int, num_kv_heads: int):
     """
     kv = cache_spec(batch, num_kv_heads, mesh)
     pos = P(kv[0], None)
+    if fp8:  # K/V scales [B, S, KVH, 1] shard like the cache
+        def fn(q, k, v, p, ks, vs):
+            return attn_fn(q, k, v, p, k_scale=ks, v_scale=vs)
+
+        return jax.shard_map(fn, mesh=mesh, in_specs=(kv, kv, kv, pos, kv, kv), out_specs=kv, check_vma=False)
     return jax.shard_map(attn_fn, mesh=mesh, in_specs=(kv, kv, kv, pos), out_specs=kv, check_vma=False)
 
 

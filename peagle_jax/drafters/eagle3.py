@@ -66,6 +66,7 @@ class Eagle3Drafter(nnx.Module):
     def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs):
         self.config = cfg
         self.mesh = None  # set by peagle_jax.sharding.shard_module
+        self.kv_cache_dtype: str | None = None  # None = the parameter dtype (models.options)
         dtype = jnp.dtype(cfg.dtype)
         self.embed_tokens = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
         self.fc = Linear(cfg.fc_in_features, cfg.hidden_size, bias=False, dtype=dtype, rngs=rngs)
@@ -82,7 +83,7 @@ class Eagle3Drafter(nnx.Module):
     def init_cache(self, batch_size: int, capacity: int, dtype=None) -> KVCache:
         cfg = self.config
         cache = KVCache.zeros(cfg.num_hidden_layers, batch_size, capacity, cfg.num_key_value_heads,
-                              cfg.head_dim, dtype or jnp.dtype(cfg.dtype))
+                              cfg.head_dim, dtype or self.kv_cache_dtype or cfg.dtype)
         return shard_cache(cache, self.mesh)
 
     def project(self, aux: Float[Array, "... A"]) -> Float[Array, "... H"]:

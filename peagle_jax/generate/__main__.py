@@ -29,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--mesh", default=None,
                    help="tensor/data parallelism, e.g. 'model=4' or 'data=2,model=4' (default: one device)")
+    p.add_argument("--attention", choices=("xla", "triton", "mosaic", "auto"), default=None,
+                   help="cache-attention implementation (Pallas kernels on GPU; default: XLA reference)")
+    p.add_argument("--kv-cache-dtype", choices=("float32", "bfloat16", "float8_e4m3fn"), default=None)
+    p.add_argument("--fp8-weights", action="store_true", help="store target linear weights in FP8 (e4m3)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the warm-up call (then tokens/s includes compilation)")
     return p
@@ -69,9 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     elif method != "none":
         print(f"error: --method {method} needs --drafter", file=sys.stderr)
         return 2
-    shard_module(target, mesh)
-    if drafter is not None:
-        shard_module(drafter, mesh)
+    from peagle_jax.models.options import configure_inference, quantize_weights_fp8
+
+    if args.fp8_weights:
+        quantize_weights_fp8(target)
+    for module in (target, drafter):
+        if module is not None:
+            configure_inference(module, attention=args.attention, kv_cache_dtype=args.kv_cache_dtype)
+            shard_module(module, mesh)
     print(f"loaded {model_path.name} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
     prompts = []

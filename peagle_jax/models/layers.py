@@ -11,7 +11,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from kernels_pallas import cache_attention
-from peagle_jax.cache import LayerKV, write_rows
+from peagle_jax.cache import LayerKV
 
 
 class RMSNorm(nnx.Module):
@@ -33,9 +33,13 @@ class Linear(nnx.Module):
     def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs, std: float = 0.02):
         self.kernel = nnx.Param(std * jax.random.normal(rngs.params(), (d_in, d_out), dtype))
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+        self.kernel_scale = nnx.data(None)  # per-output-channel scale of an FP8 kernel (models.options)
 
     def __call__(self, x: Float[Array, "... I"]) -> Float[Array, "... O"]:
-        y = x @ self.kernel[...]
+        if self.kernel_scale is not None:  # FP8 weights: dequantize after the matmul (per column)
+            y = (x @ self.kernel[...].astype(x.dtype)) * self.kernel_scale[...].astype(x.dtype)
+        else:
+            y = x @ self.kernel[...]
         if self.bias is not None:
             y = y + self.bias[...]
         return y
@@ -108,6 +112,7 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(head_dim, eps, dtype=dtype) if qk_norm else None
         self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
         self.attn_impl: str | None = None  # kernels_pallas implementation name; None = XLA
+        self.attn_interpret = False  # run a Pallas kernel in interpret mode (CPU tests)
         self.mesh = None  # set by peagle_jax.sharding.shard_module: attention runs under shard_map
 
     def __call__(
@@ -121,13 +126,17 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # constant-folded
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        kv = LayerKV(write_rows(kv.k, k, positions), write_rows(kv.v, v, positions))
-        attn = functools.partial(cache_attention, implementation=self.attn_impl)
+        kv = kv.write(k, v, positions)
+        attn = functools.partial(cache_attention, implementation=self.attn_impl, interpret=self.attn_interpret)
         if self.mesh is not None:
             from peagle_jax.sharding import sharded_attention
 
-            attn = sharded_attention(attn, self.mesh, b, self.num_kv_heads)
-        out = attn(q, kv.k, kv.v, positions)
+            scales = (kv.k_scale, kv.v_scale) if kv.is_fp8 else ()
+            out = sharded_attention(attn, self.mesh, b, self.num_kv_heads, fp8=kv.is_fp8)(q, kv.k, kv.v, positions, *scales)
+        elif kv.is_fp8:
+            out = attn(q, kv.k, kv.v, positions, k_scale=kv.k_scale, v_scale=kv.v_scale)
+        else:
+            out = attn(q, kv.k, kv.v, positions)
         return self.o_proj(out.reshape(b, t, -1)), kv
 
 

@@ -59,6 +59,7 @@ class CausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.config = cfg
         self.mesh = None  # set by peagle_jax.sharding.shard_module
+        self.kv_cache_dtype: str | None = None  # None = the parameter dtype (models.options)
         dtype = jnp.dtype(cfg.dtype)
         self.embed_tokens = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
         self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)])
@@ -71,7 +72,7 @@ class CausalLM(nnx.Module):
     def init_cache(self, batch_size: int, capacity: int, dtype=None) -> KVCache:
         cfg = self.config
         cache = KVCache.zeros(cfg.num_hidden_layers, batch_size, capacity, cfg.num_key_value_heads,
-                              cfg.head_dim, dtype or jnp.dtype(cfg.dtype))
+                              cfg.head_dim, dtype or self.kv_cache_dtype or cfg.dtype)
         return shard_cache(cache, self.mesh)
 
     def embed(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:

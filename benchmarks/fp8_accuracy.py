@@ -1,0 +1,108 @@
+"""Accuracy cost of FP8 on SmolLM2-135M-Instruct: FP8 KV cache and FP8 (e4m3) linear weights.
+
+Reports, against the fp32 model: max / mean absolute logit error over real prompts, top-1
+agreement of next-token predictions, greedy continuation agreement (tokens until the first
+divergence), and, when a trained head is given, the change in mean acceptance length.
+
+  .venv/bin/python benchmarks/fp8_accuracy.py [--prompts 4] [--max-new-tokens 48] [--head DIR -k 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+PROMPTS = [
+    "Write a Python function that reverses a string.",
+    "Explain what a Python decorator is, with an example.",
+    "Write a function that merges two sorted lists into one sorted list.",
+    "Write a binary search function in Python.",
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--head", default=None, help="trained draft head for the acceptance comparison")
+    ap.add_argument("-k", "--num-draft-tokens", type=int, default=5)
+    ap.add_argument("--out", default="results/fp8_accuracy")
+    args = ap.parse_args()
+
+    from peagle_jax.checkpoints import load_target
+    from peagle_jax.checkpoints.default_model import default_model_path
+    from peagle_jax.checkpoints.tokenizer import eos_token_ids, load_tokenizer
+    from peagle_jax.generate import speculative_generate
+    from peagle_jax.models.options import configure_inference, quantize_weights_fp8
+
+    path = default_model_path()
+    tok = load_tokenizer(path)
+    eos = eos_token_ids(tok, path)
+    prompts = []
+    for text in PROMPTS[: args.prompts]:
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+
+    def variant(name):
+        m = load_target(path)
+        if name in ("fp8_kv", "fp8_kv+fp8_weights"):
+            configure_inference(m, kv_cache_dtype="float8_e4m3fn")
+        if name in ("fp8_weights", "fp8_kv+fp8_weights"):
+            quantize_weights_fp8(m)
+        return m
+
+    def full_logits(m, ids):
+        t = jnp.asarray([ids])
+        return np.asarray(m(t, jnp.arange(len(ids))[None], m.init_cache(1, 1024)).logits[0])
+
+    base = variant("fp32")
+    base_out = speculative_generate(base, None, prompts, method="none", max_new_tokens=args.max_new_tokens, eos_token_ids=eos)
+    # Score each variant on the fp32 model's own continuations (prompt + its greedy answer).
+    seqs = [p + t for p, t in zip(prompts, base_out.tokens)]
+    base_logits = [full_logits(base, s) for s in seqs]
+    head = None
+    rows = []
+    for name in ("fp32", "fp8_kv", "fp8_weights", "fp8_kv+fp8_weights"):
+        m = base if name == "fp32" else variant(name)
+        errs, agree = [], []
+        for s, bl in zip(seqs, base_logits):
+            lg = full_logits(m, s)
+            errs.append(np.abs(lg - bl))
+            agree.append(np.mean(lg.argmax(-1) == bl.argmax(-1)))
+        out = speculative_generate(m, None, prompts, method="none", max_new_tokens=args.max_new_tokens, eos_token_ids=eos)
+        same_prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+                       for x, y in zip(out.tokens, base_out.tokens)]
+        row = dict(variant=name, max_abs_logit_error=float(max(e.max() for e in errs)),
+                   mean_abs_logit_error=float(np.mean([e.mean() for e in errs])),
+                   top1_agreement=float(np.mean(agree)), greedy_tokens_before_divergence=same_prefix)
+        if args.head:
+            from peagle_jax.checkpoints.drafter_io import load_drafter
+
+            head = load_drafter(args.head, target=m)
+            method = "peagle" if head.config.parallel_drafting else "eagle3"
+            if name in ("fp8_kv", "fp8_kv+fp8_weights"):
+                configure_inference(head, kv_cache_dtype="float8_e4m3fn")
+            r = speculative_generate(m, head, prompts, method=method, num_draft_tokens=args.num_draft_tokens,
+                                     max_new_tokens=args.max_new_tokens, eos_token_ids=eos)
+            row["mean_acceptance_length"] = r.mean_acceptance_length
+        rows.append(row)
+        print(json.dumps(row))
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "fp8_accuracy.json").write_text(json.dumps(rows, indent=2))
+    cols = ["variant", "max_abs_logit_error", "mean_abs_logit_error", "top1_agreement"] + (
+        ["mean_acceptance_length"] if args.head else [])
+    md = ["| " + " | ".join(cols) + " | greedy tokens before divergence |", "|" + "---|" * (len(cols) + 1)]
+    for r in rows:
+        md.append("| " + " | ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols)
+                  + f" | {r['greedy_tokens_before_divergence']} |")
+    (out_dir / "fp8_accuracy.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()

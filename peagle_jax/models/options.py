@@ -1,0 +1,63 @@
+"""Inference options applied to a loaded model or drafter: attention kernels, FP8 KV cache, FP8 weights.
+
+They are module attributes (static, part of the graph definition), so switching them
+recompiles once and never at run time:
+
+  configure_inference(model, attention="auto", kv_cache_dtype="float8_e4m3fn")
+  quantize_weights_fp8(model)   # e4m3 linear weights with per-output-channel scales
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from kernels_pallas import IMPLEMENTATIONS
+from peagle_jax.models.layers import Attention, Linear
+
+KV_CACHE_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
+
+
+class FP8Scale(nnx.Variable):
+    """Per-output-channel dequantization scale of an FP8 weight (not trained)."""
+
+
+def configure_inference(
+    module: nnx.Module,
+    *,
+    attention: str | None = None,
+    interpret: bool = False,
+    kv_cache_dtype: str | None = None,
+) -> nnx.Module:
+    """Pick the cache-attention implementation ("xla" | "triton" | "mosaic" | "auto") and the
+    KV cache dtype for every attention layer of a target model or drafter (in place)."""
+    if attention is not None and attention not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown attention implementation {attention!r}; known: {IMPLEMENTATIONS}")
+    if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown KV cache dtype {kv_cache_dtype!r}; known: {KV_CACHE_DTYPES}")
+    for _, node in nnx.iter_graph(module):
+        if isinstance(node, Attention):
+            node.attn_impl = attention
+            node.attn_interpret = interpret
+    if kv_cache_dtype is not None:
+        module.kv_cache_dtype = kv_cache_dtype
+    return module
+
+
+def quantize_weights_fp8(module: nnx.Module, *, skip: tuple[str, ...] = ()) -> nnx.Module:
+    """Store every Linear kernel as float8_e4m3fn with a per-output-channel fp32 scale.
+
+    Embeddings, norms, the lm_head and routed-expert stacks stay in their dtype. The matmul
+    upcasts the FP8 kernel to the activation dtype, then applies the scale per column, so the
+    result equals x @ dequantize(W) up to rounding.
+    """
+    for path, node in nnx.iter_graph(module):
+        name = ".".join(str(p) for p in path)
+        if not isinstance(node, Linear) or any(s in name for s in skip) or node.kernel_scale is not None:
+            continue
+        w = node.kernel[...].astype(jnp.float32)
+        amax = jnp.max(jnp.abs(w), axis=0)  # per output channel
+        scale = jnp.maximum(amax, 1e-12) / 448.0
+        node.kernel.value = jnp.clip(w / scale, -448.0, 448.0).astype(jnp.float8_e4m3fn)
+        node.kernel_scale = FP8Scale(scale)
+    return module
