@@ -58,8 +58,39 @@ def run(mesh_spec: str | None, arch: str) -> dict:
     return out
 
 
+def serve_texts(mesh_spec: str | None) -> list[str]:
+    """Greedy chat completions through the real server, with the models sharded over the mesh."""
+    from openai import OpenAI
+
+    from peagle_jax.checkpoints.default_model import default_model_path
+    from peagle_jax.checkpoints.tokenizer import eos_token_ids, load_tokenizer
+    from peagle_jax.serve import ServeConfig, create_app
+    from peagle_jax.serve.testing import serve_in_thread
+
+    tok = load_tokenizer(default_model_path())
+    cfg = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=8, head_dim=8,
+                      max_position_embeddings=512)
+    target = create_model(cfg, seed=1)
+    drafter = create_drafter(DrafterConfig.for_target(cfg, num_layers=1, parallel_drafting=True, mask_token_id=49151), 2)
+    config = ServeConfig(max_batch_size=4, max_model_len=256, num_draft_tokens=3,
+                         mesh=mesh_spec or "data=1,model=1", served_model_name="tiny")
+    app = create_app(config, target=target, drafter=drafter, tokenizer=tok, eos_ids=eos_token_ids(tok))
+    texts = []
+    with serve_in_thread(app) as url:
+        client = OpenAI(base_url=url + "/v1", api_key="unused")
+        for q in ("Hello there", "Write a haiku about JAX", "1 2 3 4"):
+            r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": q}],
+                                               max_tokens=12, temperature=0)
+            texts.append(r.choices[0].message.content)
+    return texts
+
+
 if __name__ == "__main__":
-    arch = sys.argv[1]
+    mode = sys.argv[1]
     specs = sys.argv[2:]
     assert len(jax.devices()) == 8, jax.devices()
-    print(json.dumps({spec: run(None if spec == "none" else spec, arch) for spec in specs}))
+    if mode == "serve":
+        print(json.dumps({spec: serve_texts(None if spec == "none" else spec) for spec in specs}))
+    else:
+        print(json.dumps({spec: run(None if spec == "none" else spec, mode) for spec in specs}))

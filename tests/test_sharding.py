@@ -58,6 +58,13 @@ def test_moe_experts_sharded_and_identical():
     assert runs["model=4"]["shardings"]["down_proj"] == [["model", None, None], [2, 32, 64]]
 
 
+def test_sharded_server_identical_greedy_text():
+    runs = _run_worker("serve", ["none", *MESHES])
+    assert all(t for t in runs["none"])
+    for spec in MESHES:
+        assert runs[spec] == runs["none"], spec
+
+
 def test_mesh_spec_validation():
     assert parse_mesh_spec("data=2,model=4") == {"data": 2, "model": 4}
     assert parse_mesh_spec(None) == {}

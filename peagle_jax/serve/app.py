@@ -177,11 +177,13 @@ def create_app(
                               served_model_name or config.served_model_name or "peagle-test")
     mesh = config.mesh
     if mesh.size > 1:
-        import jax
+        from peagle_jax.sharding import make_mesh, shard_module
 
-        if mesh.size > jax.device_count():
-            raise ValueError(f"mesh {mesh} needs {mesh.size} devices, {jax.device_count()} available")
-        log.warning("mesh %s requested: sharding is not implemented yet, running on one device", mesh)
+        device_mesh = make_mesh({"data": mesh.data, "model": mesh.model})  # raises if too few devices
+        for module in (loaded.target, loaded.drafter):
+            if module is not None:
+                shard_module(module, device_mesh)
+        log.info("sharded target and drafter over mesh %s", mesh)
     max_len = config.max_model_len or loaded.target.config.max_position_embeddings
     max_len = min(max_len, loaded.target.config.max_position_embeddings) if config.max_model_len is None else max_len
     k = config.num_draft_tokens if loaded.method != "none" else 0

@@ -7,7 +7,6 @@ Unknown YAML keys and out-of-range values are errors (exit status 2 from the CLI
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,7 +20,6 @@ __all__ = ["DEFAULT_DRAFTER", "Mesh", "ServeConfig", "build_parser", "config_fro
 #: server falls back to plain decoding (method "none") and logs that it did.
 DEFAULT_DRAFTER = "assets/heads/smollm2-135m-peagle"
 
-_MESH_RE = re.compile(r"^\s*(data|model)\s*=\s*(\d+)\s*$")
 
 
 class Mesh(BaseModel):
@@ -49,17 +47,9 @@ def parse_mesh(spec: str | dict | Mesh | None) -> Mesh:
         return Mesh(**spec)
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"mesh must look like 'data=D,model=M', got {spec!r}")
-    axes: dict[str, int] = {}
-    for part in spec.split(","):
-        m = _MESH_RE.match(part)
-        if not m:
-            raise ValueError(f"mesh must look like 'data=D,model=M' (positive integers), got {spec!r}")
-        name, value = m.group(1), int(m.group(2))
-        if name in axes:
-            raise ValueError(f"mesh axis {name!r} given twice in {spec!r}")
-        if value < 1:
-            raise ValueError(f"mesh axis {name}={value} must be >= 1")
-        axes[name] = value
+    from peagle_jax.sharding import parse_mesh_spec
+
+    axes = parse_mesh_spec(spec.replace(" ", ""))
     return Mesh(**axes)
 
 
