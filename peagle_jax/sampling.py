@@ -81,11 +81,32 @@ def process_logits(
     return jnp.where(greedy, one_hot, probs)
 
 
+# Every function that draws random numbers takes either one key for the whole batch or one
+# key per sequence (shape [B]); per-sequence keys make a request's samples depend only on its
+# own seed, whatever else shares the batch (the server's `seed` parameter).
+
+
+def split_keys(key: PRNGKeyArray, num: int) -> PRNGKeyArray:
+    """`num` keys, indexable as out[i]: shape [num] for one key, [num, B] for per-row keys."""
+    if key.ndim == 0:
+        return jax.random.split(key, num)
+    return jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, num))(key), 1, 0)
+
+
 def sample_from_probs(key: PRNGKeyArray, probs: Float[Array, "B R V"]) -> Int[Array, "B R"]:
     """Categorical draw per row. Probs need not be normalised; zero-prob tokens are never drawn."""
     # log(0) -> -inf explicitly, so the Gumbel-max race can never pick a zero-prob token.
     logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
-    return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
+    if key.ndim == 0:
+        return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
+    draw = jax.vmap(lambda k, lp: jax.random.categorical(k, lp, axis=-1))
+    return draw(key, logp).astype(jnp.int32)
+
+
+def _uniform(key: PRNGKeyArray, shape: tuple[int, ...]) -> Float[Array, "..."]:
+    if key.ndim == 0:
+        return jax.random.uniform(key, shape, dtype=jnp.float32)
+    return jax.vmap(lambda k: jax.random.uniform(k, shape[1:], dtype=jnp.float32))(key)
 
 
 def _num_accepted(accept: Array) -> Int[Array, "B"]:
@@ -123,14 +144,14 @@ def accept_rejection(
     """
     b, k = draft_tokens.shape
     v = target_probs.shape[-1]
-    key_u, key_s = jax.random.split(key)
+    key_u, key_s = split_keys(key, 2)
     p = target_probs.astype(jnp.float32)
     x = draft_tokens.astype(jnp.int32)
 
     # All K acceptance tests at once. u in (0, 1] (not [0, 1)): with u == 0 possible,
     # "p/q >= u" would accept a draft the target gives probability 0. Testing p >= u*q
     # avoids the division and is equivalent for q > 0.
-    u = 1.0 - jax.random.uniform(key_u, (b, k), dtype=jnp.float32)
+    u = 1.0 - _uniform(key_u, (b, k))
     p_x = jnp.take_along_axis(p[:, :k], x[..., None], axis=-1)[..., 0]
     if draft_probs is None:
         q_x = jnp.ones_like(p_x)

@@ -126,7 +126,7 @@ def speculative_generate(
     sp = SamplingParams.full(b, temperature, top_k, top_p)
     output, out_len, hit_eos, rounds, hist = _generate_jit(
         target_state, drafter_state, jnp.asarray(tokens), jnp.asarray(lens),
-        jnp.full((b,), max_new_tokens, jnp.int32), sp, jnp.asarray(eos), jax.random.key(seed),
+        jnp.full((b,), max_new_tokens, jnp.int32), sp, jnp.asarray(eos), jax.random.split(jax.random.key(seed), b),
         target_def=target_def, drafter_def=drafter_def, method=method, num_draft=k,
         greedy=temperature == 0.0, capacity=capacity, out_size=max_new_tokens,
     )

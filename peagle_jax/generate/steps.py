@@ -78,7 +78,7 @@ class SpecState(NamedTuple):
     accepted_per_pos: Int[Array, "B K"]  # rounds in which draft position i was accepted
     sampling: SamplingParams
     eos_ids: Int[Array, "E"]
-    key: jax.Array
+    key: jax.Array  # one PRNG key per sequence, [B]
     round_idx: Int[Array, ""]
 
 
@@ -156,7 +156,7 @@ def draft_sequential(
     b, w = pending_tokens.shape
     c = num_pending[:, None]
     positions = base_pos[:, None] + jnp.arange(w)[None, :]
-    keys = jax.random.split(key, num_draft)
+    keys = sampling.split_keys(key, num_draft)
     out = drafter(pending_tokens, pending_feats, positions, cache, logit_rows=c - 1)
     tok, q = _draft_tokens_from_logits(drafter, out.logits, keys[0], sp, greedy, vocab)
     hidden = jnp.take_along_axis(out.prenorm, (c - 1)[..., None], axis=1)  # [B, 1, H]
@@ -231,8 +231,10 @@ def spec_round(
 ) -> SpecState:
     """One speculative round over the whole batch (finished sequences are frozen)."""
     active = ~state.done
-    key = jax.random.fold_in(state.key, state.round_idx)
-    k_draft, k_verify = jax.random.split(key)
+    # Per-sequence keys advanced by the sequence's own round count: a request's samples
+    # depend only on its seed, not on when it joined the batch or who else is in it.
+    key = jax.vmap(jax.random.fold_in)(state.key, state.rounds)
+    k_draft, k_verify = sampling.split_keys(key, 2)
     sp = state.sampling
     vocab = target.config.vocab_size
     tcache = state.target_cache
@@ -322,7 +324,7 @@ def prefill(
     positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
     use_drafter = method != "none"
     out = target(tokens, positions, tcache, logit_rows=(prompt_lens - 1)[:, None], return_aux=use_drafter)
-    k_first, k_rest = jax.random.split(key)
+    k_first, k_rest = sampling.split_keys(key, 2)  # key: one per sequence, [B]
     if greedy:
         first = jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)
     else:
@@ -366,7 +368,7 @@ def prefill(
 # --------------------------------------------------------------------------- slots (serving)
 
 # SpecState fields that are shared by the whole batch rather than per sequence.
-_SHARED_FIELDS = ("eos_ids", "key", "round_idx")
+_SHARED_FIELDS = ("eos_ids", "round_idx")
 
 
 def insert_sequences(state: SpecState, new: SpecState, slots: Int[Array, "n"]) -> SpecState:

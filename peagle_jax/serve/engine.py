@@ -104,6 +104,11 @@ class GenRequest:
 # --------------------------------------------------------------------------- jitted steps
 
 
+@jax.jit
+def _keys_from_seeds(seeds):
+    return jax.vmap(jax.random.key)(seeds)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("target_def", "drafter_def", "method", "num_draft", "greedy", "capacity", "out_size"),
@@ -200,6 +205,7 @@ class Engine:
             self._drafter_def, self._drafter_state = None, None
         self._eos = jnp.asarray(np.array(list(eos_ids) or [-1], np.int32))
         self._key = jax.random.key(seed)
+        self._seed_rng = np.random.default_rng(seed)  # seeds for requests that give none
         self._prefill_count = 0
         self._state: SpecState | None = None
         self._slots: list[GenRequest | None] = [None] * max_batch_size
@@ -295,13 +301,13 @@ class Engine:
         shapes = jax.eval_shape(
             lambda: self._prefill(
                 jnp.zeros((b, t), jnp.int32), jnp.ones((b,), jnp.int32), jnp.ones((b,), jnp.int32),
-                SamplingParams.full(b), self._key, False,
+                SamplingParams.full(b), jax.random.split(self._key, b), False,
             )
         )
 
         # Fresh buffers throughout: the batch state is donated to every jitted step, so it must
         # not share arrays with anything the engine keeps (eos ids, the base key).
-        key = jax.random.fold_in(self._key, 0)
+        key = jax.random.split(jax.random.fold_in(self._key, 0), b)
 
         def zeros(s):
             if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key):
@@ -316,7 +322,7 @@ class Engine:
         for greedy in (True, False):
             sp = SamplingParams.full(1, 0.0 if greedy else 1.0)
             new = self._prefill(jnp.zeros((1, self.min_prompt_bucket), jnp.int32), jnp.ones((1,), jnp.int32),
-                                jnp.full((1,), 2, jnp.int32), sp, self._key, False)
+                                jnp.full((1,), 2, jnp.int32), sp, jax.random.split(self._key, 1), False)
             self._state = _insert_jit(self._state, new, jnp.zeros((1,), jnp.int32))
             self._round(greedy)
             self._state = _finish_jit(self._state, jnp.ones((self.max_batch_size,), bool))
@@ -407,11 +413,16 @@ class Engine:
             max_new[i] = r.max_new_tokens
             temp[i], top_k[i], top_p[i] = r.temperature, r.top_k, r.top_p
             slots[i] = r.slot
-        if n == 1 and reqs[0].seed is not None:
-            key = jax.random.key(reqs[0].seed)
-        else:
-            self._prefill_count += 1
-            key = jax.random.fold_in(self._key, self._prefill_count)
+        # One PRNG key per sequence: a request with a seed gets the same samples whatever
+        # else is in the batch (spec_round advances each key by the row's own round count).
+        seeds = np.zeros((nb,), np.uint32)
+        for i, r in enumerate(reqs):
+            if r.seed is not None:
+                seeds[i] = r.seed % 2**32
+            else:
+                self._prefill_count += 1
+                seeds[i] = self._seed_rng.integers(0, 2**32, dtype=np.uint32)
+        key = _keys_from_seeds(jnp.asarray(seeds))
         sp = SamplingParams(jnp.asarray(temp), jnp.asarray(top_k), jnp.asarray(top_p))
         # The sampling path is exact for temperature-0 rows too (argmax), and one first token
         # per row is cheap: one prefill compilation per shape instead of two.
