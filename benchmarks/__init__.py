@@ -1,0 +1,1 @@
+"""Benchmark scripts (run as `.venv/bin/python benchmarks/<name>.py`; see each module docstring)."""

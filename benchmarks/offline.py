@@ -1,0 +1,389 @@
+"""Offline benchmark: speculative_generate on HumanEval and MT-Bench, none / EAGLE-3 / P-EAGLE x K x batch.
+
+  .venv/bin/python benchmarks/offline.py --peagle-head DIR --eagle3-head DIR \
+      [--dataset humaneval mtbench] [--limit N] [--ks 3 5 7] [--batch-sizes 1 2 4] \
+      [--max-new-tokens 256] [--hf-peer] [--assistant PATH] [--out results/offline]
+
+Without trained heads add `--random-heads` (random-weight drafters, acceptance ~1; the pipeline
+runs, the speed-ups are NOT meaningful and every output says "RANDOM HEADS"). A tiny CPU check:
+
+  .venv/bin/python benchmarks/offline.py --random-heads --limit 4 --ks 3 --max-new-tokens 32 --hf-peer
+
+What is measured, per (dataset, method, K, batch size), all in ONE run:
+  * output tokens/s = generated tokens (EOS included) / wall time of the `speculative_generate`
+    calls (prefill + decode; each call runs until every sequence of the batch is done);
+  * mean acceptance length (tokens per target forward, per sequence) and per-position acceptance
+    rate (fraction of rounds in which draft position i was accepted);
+  * speed-up over method "none" and over the best EAGLE-3 K, at the same batch size.
+Methods are interleaved per prompt batch (rotating their order) so the ratios share machine
+state. Compilation is excluded: before the first timed call of each shape (method, K, batch,
+prompt bucket) an identical untimed call compiles it. Prompts are right-padded to power-of-two
+buckets (>= 16 tokens) by `speculative_generate`, so a new bucket costs one more warm-up.
+The last, incomplete batch of a batch size is filled with prompts from the start of the set
+(their tokens count; they are real work).
+Greedy outputs must be identical across methods (speculative decoding is exact): every
+(method, K, B) is compared with "none" at the same B, and "none" at B>1 with "none" at B=1;
+mismatches are reported (prompt id, first differing position), not fatal.
+With `--hf-peer` (default when the target is the built-in SmolLM2) the HF transformers peers
+of `benchmarks/peer_hf.py` run on the same prompts at batch 1, interleaved with ours.
+
+Writes results/offline/offline.{json,md} and offline_throughput.png, offline_acceptance.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+
+from benchmarks import common
+
+RANDOM_BANNER = ("RANDOM HEADS: the draft heads have random weights (--random-heads); acceptance is ~0 and "
+                 "speculative speed-ups are NOT representative of trained P-EAGLE / EAGLE-3 heads.")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--target", default="default",
+                    help="'default' (SmolLM2-135M-Instruct GGUF), a .gguf / HF dir, or 'tiny' (random tiny llama "
+                         "with the default tokenizer's vocabulary: tests)")
+    ap.add_argument("--tiny-layers", type=int, default=2, help="decoder layers of --target tiny")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer source (default: the target, or SmolLM2 for tiny)")
+    ap.add_argument("--dataset", nargs="+", default=["humaneval", "mtbench"], choices=common.DATASETS)
+    ap.add_argument("--humaneval-style", default="chat", choices=("chat", "raw"),
+                    help="chat: user message 'Complete the following Python function: ...'; raw: completion")
+    ap.add_argument("--category", default=None, help="MT-Bench category filter (e.g. coding)")
+    ap.add_argument("--limit", type=int, default=None, help="first N prompts of each dataset")
+    ap.add_argument("--methods", nargs="+", default=["none", "eagle3", "peagle"], choices=("none", "eagle3", "peagle"))
+    ap.add_argument("--ks", nargs="+", type=int, default=[3, 5, 7], help="draft lengths K")
+    ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1])
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--ignore-eos", action="store_true", help="generate exactly max-new-tokens (ours and HF)")
+    ap.add_argument("--peagle-head", default=None, help="trained P-EAGLE head directory")
+    ap.add_argument("--eagle3-head", default=None, help="trained EAGLE-3 head directory")
+    ap.add_argument("--random-heads", action="store_true",
+                    help="use random-weight heads for methods without a trained head (pipeline test only)")
+    ap.add_argument("--hf-peer", dest="hf_peer", action="store_true", default=None,
+                    help="also run HF transformers peers (default: on for the built-in SmolLM2 target)")
+    ap.add_argument("--no-hf-peer", dest="hf_peer", action="store_false")
+    ap.add_argument("--prompt-lookup-tokens", type=int, default=10)
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="torch.set_num_threads for the HF peers (1 is much faster on a contended CPU)")
+    ap.add_argument("--assistant", default=None, help="assistant model for HF assisted decoding (same tokenizer)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="results/offline")
+    return ap.parse_args(argv)
+
+
+def _load(args):
+    from peagle_jax.checkpoints import load_target
+    from peagle_jax.checkpoints.default_model import default_model_path, resolve_model_path
+    from peagle_jax.checkpoints.tokenizer import eos_token_ids, load_tokenizer
+
+    if args.target == "tiny":
+        tok_path = Path(args.tokenizer) if args.tokenizer else default_model_path()
+        tok = load_tokenizer(tok_path)
+        target = common.tiny_target(len(tok), layers=args.tiny_layers, seed=args.seed)
+        target_path = None
+        target_label = f"tiny random llama (vocab {len(tok)}, RANDOM WEIGHTS)"
+    else:
+        target_path = resolve_model_path(args.target)
+        tok_path = Path(args.tokenizer) if args.tokenizer else target_path
+        tok = load_tokenizer(tok_path)
+        target = load_target(target_path)
+        target_label = str(target_path)
+    eos = [] if args.ignore_eos else eos_token_ids(tok, tok_path)
+    return target, target_path, target_label, tok, eos
+
+
+def _drafters(args, target) -> tuple[dict[str, Any], dict[str, str], dict[str, str]]:
+    """{method: drafter}, {method: label}, {method: why skipped}."""
+    from peagle_jax.checkpoints.drafter_io import load_drafter
+
+    drafters, labels, skipped = {}, {}, {}
+    for method, path in (("peagle", args.peagle_head), ("eagle3", args.eagle3_head)):
+        if method not in args.methods:
+            continue
+        if path:
+            d = load_drafter(path, target=target)
+            if method == "peagle" and not d.config.parallel_drafting:
+                raise SystemExit(f"--peagle-head {path} has no parallel drafting (mask_token_id/mask_hidden)")
+            drafters[method], labels[method] = d, f"trained head {path}"
+        elif args.random_heads:
+            drafters[method] = common.random_drafter(target, parallel=method == "peagle", seed=args.seed + 1)
+            labels[method] = "RANDOM WEIGHTS (--random-heads)"
+        else:
+            skipped[method] = (f"no trained {method} head given (--{method}-head DIR); method skipped. "
+                               f"Pass --random-heads to run the pipeline with random-weight heads.")
+            print(f"NOTE: {skipped[method]}", file=sys.stderr)
+    return drafters, labels, skipped
+
+
+def _batches(n: int, b: int) -> list[list[int]]:
+    """Prompt indices in batches of b; the last batch is filled from the start (wrapping)."""
+    out = []
+    for s in range(0, n, b):
+        idx = list(range(s, min(s + b, n)))
+        j = 0
+        while len(idx) < b:
+            idx.append(j % n)
+            j += 1
+        out.append(idx)
+    return out
+
+
+def _first_diff(a: list[int], b: list[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def run(args) -> dict[str, Any]:
+    import jax
+
+    from peagle_jax.generate import speculative_generate
+    from peagle_jax.generate.speculative import prompt_bucket
+
+    target, target_path, target_label, tok, eos = _load(args)
+    drafters, head_labels, skipped = _drafters(args, target)
+    random_heads = any("RANDOM" in v for v in head_labels.values())
+    if random_heads:
+        print(f"WARNING: {RANDOM_BANNER}", file=sys.stderr)
+    configs: list[tuple[str, int]] = [("none", 0)] if "none" in args.methods else []
+    for m in ("eagle3", "peagle"):
+        if m in drafters:
+            configs += [(m, k) for k in args.ks]
+    if ("none", 0) not in configs:
+        configs.insert(0, ("none", 0))  # the reference for speed-ups and the token check
+    hf_peer = args.hf_peer if args.hf_peer is not None else (target_path is not None and args.target == "default")
+    peer = None
+    if hf_peer:
+        if target_path is None:
+            skipped["hf_peer"] = "the HF peer needs real weights (not --target tiny)"
+        else:
+            from benchmarks.peer_hf import HFPeer
+
+            peer = HFPeer(target_path, eos, tok.pad_token_id, prompt_lookup_tokens=args.prompt_lookup_tokens,
+                          assistant=args.assistant, torch_threads=args.torch_threads)
+            skipped.update(peer.skipped)
+
+    n_new = args.max_new_tokens
+    stats: dict[tuple, dict[str, Any]] = {}
+    outputs: dict[tuple, dict[int, list[int]]] = defaultdict(dict)
+    warmed: set = set()
+    datasets = {}
+    compile_s = 0.0
+    for ds in args.dataset:
+        items = common.load_prompts(ds, style=args.humaneval_style, category=args.category if ds == "mtbench" else None,
+                                    limit=args.limit)
+        if not items:
+            raise SystemExit(f"{ds}: no prompts (category {args.category!r}?)")
+        prompts = [common.encode_prompt(tok, it) for it in items]
+        datasets[ds] = dict(prompts=len(items), ids=[it["id"] for it in items],
+                            prompt_tokens_mean=float(np.mean([len(p) for p in prompts])),
+                            buckets=sorted({prompt_bucket(len(p)) for p in prompts}))
+        print(f"[{ds}] {len(items)} prompts, mean {datasets[ds]['prompt_tokens_mean']:.0f} prompt tokens, "
+              f"buckets {datasets[ds]['buckets']}")
+        for bsz in args.batch_sizes:
+            for bi, idx in enumerate(_batches(len(prompts), bsz)):
+                batch = [prompts[i] for i in idx]
+                order = configs[bi % len(configs):] + configs[: bi % len(configs)]
+                for method, k in order:
+                    kw = dict(method=method, num_draft_tokens=max(k, 1), max_new_tokens=n_new, eos_token_ids=eos,
+                              temperature=0.0, seed=args.seed)
+                    drafter = drafters.get(method)
+                    shape = (method, k, bsz, prompt_bucket(max(len(p) for p in batch)))
+                    if shape not in warmed:
+                        t0 = time.perf_counter()
+                        speculative_generate(target, drafter, batch, **kw)
+                        compile_s += time.perf_counter() - t0
+                        warmed.add(shape)
+                    t0 = time.perf_counter()
+                    r = speculative_generate(target, drafter, batch, **kw)
+                    dt = time.perf_counter() - t0
+                    s = stats.setdefault((ds, method, k, bsz), dict(
+                        tokens=0, seconds=0.0, calls=0, rounds=0, accepted=np.zeros(max(k, 1), np.int64)))
+                    s["tokens"] += int(r.lengths.sum())
+                    s["seconds"] += dt
+                    s["calls"] += 1
+                    s["rounds"] += int(r.rounds.sum())
+                    if k:
+                        s["accepted"] += r.accepted_per_position
+                    for j, i in enumerate(idx):  # filler repeats keep the first output
+                        outputs[(ds, method, k, bsz)].setdefault(i, r.tokens[j])
+                if peer is not None and bsz == 1:
+                    if "hf" not in warmed:
+                        peer.warm_up(batch[0])
+                        warmed.add("hf")
+                    for m in peer.methods:
+                        toks, dt = peer.generate(m, batch[0], n_new)
+                        s = stats.setdefault((ds, m, 0, 1), dict(tokens=0, seconds=0.0, calls=0, rounds=0,
+                                                                 accepted=np.zeros(1, np.int64)))
+                        s["tokens"] += len(toks)
+                        s["seconds"] += dt
+                        s["calls"] += 1
+                        outputs[(ds, m, 0, 1)][idx[0]] = toks
+            line = "  ".join(f"{m}{'/K' + str(k) if k else ''} {v['tokens'] / v['seconds']:.1f}"
+                             for (d, m, k, b), v in stats.items() if d == ds and b == bsz)
+            print(f"[{ds}] B={bsz}: tok/s  {line}")
+
+    rows = []
+    for (ds, m, k, bsz), s in stats.items():
+        tok_s = s["tokens"] / s["seconds"] if s["seconds"] else float("nan")
+        row = dict(dataset=ds, method=m, k=k, batch_size=bsz, tokens=s["tokens"], seconds=s["seconds"],
+                   calls=s["calls"], tok_s=tok_s, peer=m.startswith("hf_"),
+                   head=head_labels.get(m, "–" if m == "none" else "HF transformers"))
+        if k and s["rounds"]:
+            row.update(mean_acceptance_length=(s["rounds"] + int(s["accepted"].sum())) / s["rounds"],
+                       acceptance_per_position=(s["accepted"] / s["rounds"]).tolist(), rounds=s["rounds"])
+        elif m == "none":
+            row.update(mean_acceptance_length=1.0, rounds=s["rounds"])
+        rows.append(row)
+    for row in rows:
+        base = stats.get((row["dataset"], "none", 0, row["batch_size"]))
+        row["speedup_vs_none"] = row["tok_s"] / (base["tokens"] / base["seconds"]) if base else None
+        e3 = [r["tok_s"] for r in rows if r["dataset"] == row["dataset"] and r["method"] == "eagle3"
+              and r["batch_size"] == row["batch_size"]]
+        row["speedup_vs_best_eagle3"] = row["tok_s"] / max(e3) if e3 else None
+
+    # Exactness: same greedy tokens as "none" at the same batch size; "none" B vs B=1; HF vs ours.
+    mismatches = []
+    checked = 0
+    for (ds, m, k, bsz), outs in outputs.items():
+        ref_key = (ds, "none", 0, 1) if (m == "none" or m.startswith("hf_")) else (ds, "none", 0, bsz)
+        if (ds, m, k, bsz) == ref_key or ref_key not in outputs:
+            continue
+        ref = outputs[ref_key]
+        for i, toks in outs.items():
+            if i not in ref:
+                continue
+            checked += 1
+            if toks != ref[i]:
+                mismatches.append(dict(dataset=ds, method=m, k=k, batch_size=bsz, reference=f"none@B={ref_key[3]}",
+                                       prompt=datasets[ds]["ids"][i], first_diff=_first_diff(toks, ref[i]),
+                                       len=len(toks), ref_len=len(ref[i])))
+    ours_mm = [x for x in mismatches if not x["method"].startswith("hf_")]
+    if ours_mm:
+        print(f"WARNING: {len(ours_mm)} greedy output mismatches between our methods (see 'mismatches')", file=sys.stderr)
+
+    summary = dict(
+        benchmark="offline", random_heads=random_heads, banner=RANDOM_BANNER if random_heads else None,
+        machine=common.machine_info(), target=target_label, heads=head_labels, skipped=skipped,
+        settings=dict(datasets=args.dataset, humaneval_style=args.humaneval_style, category=args.category,
+                      limit=args.limit, ks=args.ks, batch_sizes=args.batch_sizes, max_new_tokens=n_new,
+                      eos_token_ids=eos, ignore_eos=args.ignore_eos, greedy=True,
+                      prompt_lookup_tokens=args.prompt_lookup_tokens if peer else None,
+                      assistant=args.assistant, torch_threads=peer.torch_threads if peer else None),
+        datasets=datasets, compile_and_warmup_seconds=compile_s, results=rows,
+        exactness=dict(compared=checked, mismatches=mismatches, ours_identical=not ours_mm,
+                       hf_identical=not [x for x in mismatches if x["method"].startswith("hf_")]),
+        jax_backend=jax.default_backend(),
+    )
+    return summary
+
+
+def write_report(summary: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    common.write_json(out / "offline.json", summary)
+    rows = summary["results"]
+    md = ["# Offline speculative decoding benchmark", ""]
+    if summary["random_heads"]:
+        md += [f"> **{summary['banner']}**", ""]
+    md += [f"Target: {summary['target']}", ""]
+    md += [f"- {m} head: {h}" for m, h in summary["heads"].items()]
+    md += [f"- skipped {m}: {why}" for m, why in summary["skipped"].items()]
+    s = summary["settings"]
+    md += ["", f"Greedy, max_new_tokens={s['max_new_tokens']}, EOS ids {s['eos_token_ids'] or 'none (ignore EOS)'}, "
+               f"HumanEval style {s['humaneval_style']}. Compile/warm-up excluded "
+               f"({summary['compile_and_warmup_seconds']:.1f} s spent on it).", ""]
+    for ds, info in summary["datasets"].items():
+        md += [f"## {ds} ({info['prompts']} prompts, mean prompt {info['prompt_tokens_mean']:.0f} tokens)", ""]
+        table = []
+        for r in sorted((r for r in rows if r["dataset"] == ds),
+                        key=lambda r: (r["batch_size"], r["peer"], r["method"], r["k"])):
+            app = r.get("acceptance_per_position")
+            table.append([r["batch_size"], r["method"], r["k"] or "–", r["tok_s"], r.get("mean_acceptance_length"),
+                          r["speedup_vs_none"], r["speedup_vs_best_eagle3"],
+                          " / ".join(f"{100 * a:.0f}" for a in app) if app else "–", r["tokens"]])
+        md.append(common.md_table(["B", "method", "K", "tok/s", "mean AL", "x none", "x best EAGLE-3",
+                                   "accept % per position", "tokens"], table))
+        md.append("")
+    ex = summary["exactness"]
+    md += ["## Greedy exactness", "",
+           f"{ex['compared']} outputs compared; our methods identical: **{ex['ours_identical']}**; "
+           f"HF peers identical to ours: {ex['hf_identical']}.", ""]
+    if ex["mismatches"]:
+        md.append(common.md_table(["dataset", "method", "K", "B", "vs", "prompt", "first diff", "len", "ref len"],
+                                  [[x["dataset"], x["method"], x["k"], x["batch_size"], x["reference"], x["prompt"],
+                                    x["first_diff"], x["len"], x["ref_len"]] for x in ex["mismatches"][:50]]))
+        md.append("")
+    md += ["## Machine", "", common.machine_md(summary["machine"]), ""]
+    (out / "offline.md").write_text("\n".join(md))
+    _plots(summary, out)
+
+
+def _plots(summary: dict[str, Any], out: Path) -> None:
+    plt = common.pyplot()
+    rows = summary["results"]
+    tag = " [RANDOM HEADS]" if summary["random_heads"] else ""
+    datasets = list(summary["datasets"])
+    fig, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4.5), squeeze=False)
+    for ax, ds in zip(axes[0], datasets):
+        series = sorted({(r["method"], r["k"]) for r in rows if r["dataset"] == ds})
+        for m, k in series:
+            pts = sorted((r["batch_size"], r["tok_s"]) for r in rows if r["dataset"] == ds and r["method"] == m
+                         and r["k"] == k)
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, marker="o", linestyle="--" if m.startswith("hf_") else "-",
+                    label=f"{m}" + (f" K={k}" if k else ""))
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(f"{ds}{tag}")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "offline_throughput.png", dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4.5), squeeze=False)
+    for ax, ds in zip(axes[0], datasets):
+        # Acceptance does not depend on the batch size under greedy decoding: use the smallest B.
+        spec = [r for r in rows if r["dataset"] == ds and r.get("acceptance_per_position")]
+        bmin = min((r["batch_size"] for r in spec), default=1)
+        for r in sorted((r for r in spec if r["batch_size"] == bmin), key=lambda r: (r["method"], r["k"])):
+            a = r["acceptance_per_position"]
+            ax.plot(range(1, len(a) + 1), a, marker="o",
+                    label=f"{r['method']} K={r['k']} (AL {r['mean_acceptance_length']:.2f})")
+        ax.set_xlabel("draft position")
+        ax.set_ylabel("acceptance rate")
+        ax.set_ylim(0, 1.02)
+        ax.set_title(f"{ds}: per-position acceptance (B={bmin}){tag}")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "offline_acceptance.png", dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    summary = run(args)
+    out = Path(args.out)
+    write_report(summary, out)
+    print((out / "offline.md").read_text())
+    return summary
+
+
+if __name__ == "__main__":
+    main()

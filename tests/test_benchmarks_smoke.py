@@ -1,0 +1,130 @@
+"""Smoke tests of the benchmark scripts: each `main` in a tiny configuration (tiny random target,
+random heads, 2 prompts, a few tokens); checks the JSON / Markdown / PNG outputs and that the
+numbers are sane. No wall-clock thresholds: the machine is shared."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def _finite_positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def _check_machine(m: dict) -> None:
+    assert m["cpu_count"] >= 1 and m["jax_backend"] and m["jax_devices"] and m["jax_version"]
+
+
+def test_offline_random_heads(tmp_path):
+    from benchmarks import offline
+
+    out = tmp_path / "offline"
+    s = offline.main(["--target", "tiny", "--random-heads", "--dataset", "mtbench", "--limit", "2", "--ks", "2",
+                      "--batch-sizes", "2", "--max-new-tokens", "6", "--no-hf-peer", "--out", str(out)])
+    for f in ("offline.json", "offline.md", "offline_throughput.png", "offline_acceptance.png"):
+        assert (out / f).stat().st_size > 0, f
+    doc = json.loads((out / "offline.json").read_text())
+    assert doc["random_heads"] and "RANDOM HEADS" in (out / "offline.md").read_text()
+    _check_machine(doc["machine"])
+    rows = doc["results"]
+    assert {(r["method"], r["k"], r["batch_size"]) for r in rows} == {
+        (m, k, b) for m, k in (("none", 0), ("eagle3", 2), ("peagle", 2)) for b in (2,)}
+    for r in rows:
+        assert _finite_positive(r["tok_s"]) and _finite_positive(r["speedup_vs_none"])
+        assert 0 < r["tokens"] <= 2 * 6  # 2 prompts x 6 tokens
+        assert 1.0 <= r["mean_acceptance_length"] <= r["k"] + 1
+        if r["method"] == "none":
+            assert r["speedup_vs_none"] == pytest.approx(1.0)
+        else:
+            assert len(r["acceptance_per_position"]) == 2
+            assert all(0.0 <= a <= 1.0 for a in r["acceptance_per_position"])
+            assert r["speedup_vs_best_eagle3"] is not None
+    # Speculative decoding is exact: same greedy tokens for every method and batch size.
+    assert doc["exactness"]["compared"] > 0 and doc["exactness"]["ours_identical"], doc["exactness"]["mismatches"]
+    assert s["settings"]["max_new_tokens"] == 6
+
+
+def test_offline_without_heads_says_so(tmp_path, capsys):
+    from benchmarks import offline
+
+    args = offline.parse_args(["--target", "tiny", "--methods", "none", "peagle", "--no-hf-peer"])
+    target = offline.common.tiny_target(64, layers=1)
+    drafters, labels, skipped = offline._drafters(args, target)
+    assert drafters == {} and "no trained peagle head" in skipped["peagle"] and "--random-heads" in skipped["peagle"]
+    assert "--random-heads" in capsys.readouterr().err
+
+
+def test_synthetic_tiny(tmp_path):
+    from benchmarks import synthetic
+
+    out = tmp_path / "synthetic"
+    # vocab 49152: the same shapes as the offline test's tiny target, so its compiles are reused.
+    synthetic.main(["--shape", "tiny", "--layers", "2", "--vocab-size", "49152", "--ks", "2", "--target-al", "1", "3",
+                    "--prompt-len", "8", "--max-new-tokens", "10", "--batch-sizes", "2", "--out", str(out)])
+    for f in ("synthetic.json", "synthetic.md", "synthetic_throughput.png", "synthetic_acceptance.png"):
+        assert (out / f).stat().st_size > 0, f
+    doc = json.loads((out / "synthetic.json").read_text())
+    assert doc["synthetic"] and "SYNTHETIC" in doc["banner"] and "SYNTHETIC" in (out / "synthetic.md").read_text()
+    _check_machine(doc["machine"])
+    assert doc["all_identical"]
+    oracle = {r["target_al"]: r for r in doc["results"] if r["method"] == "oracle"}
+    assert oracle[1.0]["mean_acceptance_length"] == pytest.approx(1.0)
+    assert oracle[3.0]["mean_acceptance_length"] == pytest.approx(oracle[3.0]["simulated_al"], abs=0.35)
+    assert oracle[3.0]["mean_acceptance_length"] > 2.0
+    for r in doc["results"]:
+        assert _finite_positive(r["tok_s"]) and r["tokens"] == 2 * 10
+
+
+def test_synthetic_pattern_model():
+    from benchmarks.synthetic import pick_wrong_every, simulate
+
+    assert simulate(0, 3, 100)[0] == pytest.approx(4.0, abs=0.05)  # never wrong
+    assert simulate(1, 3, 100)[0] == 1.0  # always wrong
+    w, al = pick_wrong_every(2.0, 5, 256)
+    assert abs(al - 2.0) < 0.1
+
+
+def test_online_against_real_server(tmp_path):
+    serve = pytest.importorskip("peagle_jax.serve", reason="the server package peagle_jax.serve is not available")
+    from peagle_jax.serve.testing import serve_in_thread
+
+    from benchmarks import common, online
+    from peagle_jax.checkpoints.default_model import default_model_path
+    from peagle_jax.checkpoints.tokenizer import eos_token_ids, load_tokenizer
+
+    tok = load_tokenizer(default_model_path())
+    target = common.tiny_target(len(tok), layers=2, seed=3)
+    drafter = common.random_drafter(target, parallel=True, seed=4)
+    # warmup=False: the load generator's own warm-up request compiles the greedy round only.
+    config = serve.ServeConfig(max_batch_size=2, max_model_len=512, num_draft_tokens=2, served_model_name="tiny",
+                               warmup=False)
+    app = serve.create_app(config, target=target, drafter=drafter, tokenizer=tok, eos_ids=eos_token_ids(tok))
+    out = tmp_path / "online"
+    with serve_in_thread(app) as url:
+        with pytest.raises(SystemExit, match="loopback"):
+            online.check_loopback("http://example.com:8000/v1")
+        # No --label: taken from the server's /health ("peagle").
+        run = online.main(["--base-url", url + "/v1", "--concurrency", "1", "2", "--requests", "2",
+                           "--max-tokens", "6", "--dataset", "mtbench", "--limit", "1", "--out", str(out)])
+    assert run["label"] == "peagle" and run["model"] == "tiny"
+    online.write_report(dict(run, label="other-method"), out)  # a second server's run merges in
+    for f in ("online.json", "online.md", "online.png"):
+        assert (out / f).stat().st_size > 0, f
+    doc = json.loads((out / "online.json").read_text())
+    assert set(doc["runs"]) == {"peagle", "other-method"}
+    assert "other-method" in (out / "online.md").read_text()
+    _check_machine(run["machine"])
+    for lvl in run["levels"]:
+        assert lvl["ok"] == lvl["requests"] == 2 and lvl["failed"] == 0
+        assert lvl["usage_reported"] and 0 < lvl["tokens_per_request"] <= 6
+        assert _finite_positive(lvl["output_tok_s"]) and _finite_positive(lvl["ttft_p50"])
+        assert lvl["ttft_p50"] <= lvl["latency_p50"]
