@@ -1,0 +1,69 @@
+"""Data pipeline: draft vocabulary, deterministic packing and the EAGLE shift, chat loss masks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from train.data import Doc, PackPlan, chat_tokens, chunk_doc, is_validation, pack_row, stdlib_files
+from train.vocab import draft_ids_from_counts, token_counts, vocab_maps
+
+
+def test_draft_vocab_top_counts_sorted_with_forced_ids():
+    counts = token_counts([(np.array([5, 5, 5, 9, 9, 2, 7]), np.array([1, 1, 1, 1, 1, 1, 0]))], 12)
+    assert counts[5] == 3 and counts[7] == 0
+    ids = draft_ids_from_counts(counts, 4, always=[11])
+    assert ids.tolist() == [2, 5, 9, 11]
+    ids = draft_ids_from_counts(counts, 5)  # pads with the lowest unseen ids
+    assert ids.tolist() == [0, 1, 2, 5, 9]
+    d2t, t2d = vocab_maps(ids, 12)
+    assert (np.arange(5) + d2t).tolist() == ids.tolist() and t2d.sum() == 5 and t2d[ids].all()
+    assert draft_ids_from_counts(counts, None).tolist() == list(range(12))
+
+
+def test_pack_plan_deterministic_and_shift():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(2, 20, 30).tolist()
+    a, b = PackPlan(lengths, 24, seed=5), PackPlan(lengths, 24, seed=5)
+    rows = [a.row(i) for i in range(3 * a.rows_per_epoch())]
+    assert rows == [b.row(i) for i in range(len(rows))]
+    assert a.epoch_rows(0) != a.epoch_rows(1)  # reshuffled per epoch
+    for e in range(2):
+        flat = sorted(i for r in a.epoch_rows(e) for i in r)
+        assert flat == list(range(30))  # every document once per epoch
+        assert all(sum(lengths[i] - 1 for i in r) <= 24 for r in a.epoch_rows(e))
+    d0 = (np.array([10, 11, 12, 13]), np.array([0, 1, 1, 1]), np.arange(8).reshape(4, 2) * 1.0, np.arange(4)[:, None] * 1.0)
+    d1 = (np.array([20, 21, 22]), np.array([0, 0, 1]), np.ones((3, 2)), np.full((3, 1), 7.0))
+    t, lm, pos, doc, aux, fh = pack_row(8, [d0, d1], 2, 1)
+    assert t.tolist() == [11, 12, 13, 21, 22, 0, 0, 0]  # x_{i+1}
+    assert lm.tolist() == [1, 1, 1, 0, 1, 0, 0, 0]  # l_{i+1}
+    assert pos.tolist() == [0, 1, 2, 0, 1, 0, 0, 0] and doc.tolist() == [0, 0, 0, 1, 1, -1, -1, -1]
+    assert aux[:3].tolist() == [[0, 1], [2, 3], [4, 5]]  # g_i (unshifted)
+    assert fh[:5, 0].tolist() == [1, 2, 3, 7, 7]  # final hidden at i+1
+    assert [len(c.tokens) for c in chunk_doc(Doc(np.arange(11), np.ones(11, np.uint8)), 4)] == [4, 4, 3]
+
+
+def test_stdlib_split_is_deterministic_and_disjoint():
+    files = [rel for rel, _ in stdlib_files()]
+    assert files == sorted(files) and len(files) > 500
+    assert not any("site-packages" in f for f in files)
+    val = [f for f in files if is_validation(f, 2.0)]
+    assert 0 < len(val) < 0.05 * len(files)
+
+
+def test_chat_loss_mask_covers_assistant_only():
+    from peagle_jax.checkpoints.default_model import default_model_path
+    from peagle_jax.checkpoints.tokenizer import load_tokenizer
+
+    try:
+        tok = load_tokenizer(default_model_path())
+    except FileNotFoundError:
+        pytest.skip("default model not installed")
+    msgs = [{"role": "user", "content": "Add two numbers."},
+            {"role": "assistant", "content": "def add(a, b):\n    return a + b"},
+            {"role": "user", "content": "Thanks"},
+            {"role": "assistant", "content": "You're welcome."}]
+    d = chat_tokens(tok, msgs)
+    learned = tok.decode(d.tokens[d.loss_mask.astype(bool)])
+    assert "return a + b" in learned and "welcome" in learned
+    assert "Add two" not in learned and "Thanks" not in learned and "user" not in learned

@@ -1,0 +1,110 @@
+"""Training loop: config overrides, exact resume after a crash, data-parallel == 1 device."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from train.config import TrainConfig, load_config, parse_overrides
+from train.train import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+
+
+def _cfg(tmp, run, **over):
+    base = {
+        "run_dir": str(tmp / run), "batch_size": 4, "progress": False, "seed": 3,
+        "model": {"random_target": TINY},
+        "data": {"source": "random", "seq_len": 48, "features_dir": str(tmp / "feat"), "random_docs": 24,
+                 "random_new_tokens": 30, "noise_std": 0.05},
+        "objective": {"method": "peagle", "num_depths": 3, "max_anchors": 24},
+        "optim": {"lr": 3e-3, "warmup_steps": 2, "total_steps": 20}, "checkpoint_every": 2,
+    }
+    for k, v in over.items():
+        node = base
+        parts = k.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = v
+    return load_config(None, base)
+
+
+def test_config_overrides(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("run_dir: /x\noptim:\n  lr: 0.1\nobjective:\n  method: eagle3\n")
+    path, over = parse_overrides(["--config", str(y), "optim.lr=2e-4", "--objective.num_depths", "6",
+                                  "--data.noise_std=0.05", "drafter.draft_vocab_size=null"])
+    cfg = load_config(path, over)
+    assert cfg.optim.lr == 2e-4 and cfg.objective.num_depths == 6 and cfg.objective.method == "eagle3"
+    assert cfg.data.noise_std == 0.05 and cfg.drafter.draft_vocab_size is None and cfg.run_dir == "/x"
+    with pytest.raises(Exception):
+        cfg.optim.lr = 1.0  # frozen
+    with pytest.raises(Exception):
+        load_config(None, {"optim": {"nope": 1}})
+    for f in sorted((ROOT / "configs" / "train").glob("*.yaml")):
+        TrainConfig.model_validate(__import__("yaml").safe_load(f.read_text()))
+
+
+@pytest.mark.parametrize("method", ["peagle"])
+def test_resume_after_crash_gives_same_losses(tmp_path, method):
+    over = {"objective.method": method, "max_steps": 5}
+    full = Trainer(_cfg(tmp_path, "full", **over)).run()
+
+    crashing = Trainer(_cfg(tmp_path, "crash", **over))
+    real = crashing.train_one
+    calls = {"n": 0}
+
+    def boom():
+        calls["n"] += 1
+        if calls["n"] == 4:  # dies during step 4; the latest checkpoint is step 2
+            raise KeyboardInterrupt
+        return real()
+
+    crashing.train_one = boom
+    with pytest.raises(KeyboardInterrupt):
+        crashing.run()
+    # a save killed half-way leaves only an uncommitted temporary directory: it must be ignored
+    junk = tmp_path / "crash" / "checkpoints" / "4.orbax-checkpoint-tmp-1234567890"
+    junk.mkdir()
+    (junk / "garbage").write_bytes(b"\x00" * 10)
+    resumed = Trainer(_cfg(tmp_path, "crash", **over))
+    assert resumed.step == 2
+    rest = resumed.run()
+    assert [r["step"] for r in rest] == [3, 4, 5]
+    np.testing.assert_allclose([r["loss"] for r in rest], [r["loss"] for r in full[2:]], rtol=1e-5)
+    lines = [json.loads(l) for l in (tmp_path / "crash" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4, 5]
+
+
+DP_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax
+    assert jax.device_count() == 2, jax.devices()
+    sys.path.insert(0, {tests!r})
+    from test_train_loop import _cfg
+    from pathlib import Path
+    from train.train import Trainer
+    tmp = Path({tmp!r})
+    out = {{}}
+    for n in (1, 2):
+        out[n] = [r["loss"] for r in Trainer(_cfg(tmp, f"dp{{n}}", mesh_data=n, max_steps=3)).run()]
+    print("RESULT", json.dumps(out))
+""")
+
+
+def test_data_parallel_two_fake_devices_matches_one(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    script = DP_SCRIPT.format(tests=str(ROOT / "tests"), tmp=str(tmp_path))
+    p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.split("RESULT", 1)[1])
+    np.testing.assert_allclose(res["2"], res["1"], rtol=2e-5)

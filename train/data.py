@@ -1,0 +1,313 @@
+"""Training documents, chat-template loss masks, deterministic splits/shuffles and packing.
+
+A document is a token array plus a loss mask (1 on tokens the drafter should learn to
+predict: assistant tokens of a chat, every token of a code file). Sources:
+
+* `code`: the running Python's standard library (`sysconfig.get_paths()["stdlib"]`, no
+  site-packages), whole files held out for validation by a hash of their relative path;
+* `chat`: JSONL conversations rendered with the target's chat template; loss on assistant
+  turns (character spans mapped to tokens through the tokenizer's offsets);
+* `selfdistill`: HumanEval-style prompts cut from stdlib functions (signature + docstring),
+  answered by the target itself (batched greedy `speculative_generate(method="none")`) in its
+  chat template; loss on the target's answer. This is where acceptance comes from.
+* `random`: a tiny random target's greedy continuations of random prompts (tests).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import sysconfig
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+
+@dataclass
+class Doc:
+    tokens: np.ndarray  # int32 [L]
+    loss_mask: np.ndarray  # uint8 [L]: 1 where token i is a target to learn
+    name: str = ""
+
+
+# --------------------------------------------------------------------------- splits
+
+
+def is_validation(name: str, val_percent: float) -> bool:
+    """Deterministic hold-out by a hash of the name (whole files / prompts)."""
+    return (zlib.crc32(name.encode()) % 10000) < val_percent * 100
+
+
+def stdlib_files() -> list[tuple[str, Path]]:
+    """(relative path, path) of every stdlib .py file, sorted, without site-packages."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
+        for f in sorted(filenames):
+            if f.endswith(".py"):
+                p = Path(dirpath) / f
+                out.append((str(p.relative_to(root)), p))
+    out.sort()
+    return out
+
+
+def chunk_doc(doc: Doc, max_len: int) -> list[Doc]:
+    """Cut a long document into pieces of at most max_len tokens (each >= 2 tokens)."""
+    out = []
+    for i, s in enumerate(range(0, len(doc.tokens), max_len)):
+        t = doc.tokens[s : s + max_len]
+        if len(t) >= 2:
+            out.append(Doc(t, doc.loss_mask[s : s + max_len], f"{doc.name}#{i}"))
+    return out
+
+
+# --------------------------------------------------------------------------- tokenization
+
+
+def encode_text(tokenizer, text: str) -> np.ndarray:
+    return np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], np.int32)
+
+
+def chat_tokens(tokenizer, messages: Sequence[dict]) -> Doc:
+    """Render with the chat template; loss mask on the assistant turns' content (+ end tokens)."""
+    full = tokenizer.apply_chat_template(list(messages), tokenize=False)
+    spans = []
+    for i, msg in enumerate(messages):
+        if msg.get("role") != "assistant":
+            continue
+        prefix = tokenizer.apply_chat_template(list(messages[:i]), tokenize=False, add_generation_prompt=True)
+        upto = tokenizer.apply_chat_template(list(messages[: i + 1]), tokenize=False)
+        if not full.startswith(prefix) or not full.startswith(upto):
+            raise ValueError("chat template is not prefix-stable; cannot build a loss mask")
+        spans.append((len(prefix), len(upto)))
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = np.asarray(enc["input_ids"], np.int32)
+    mask = np.zeros(len(ids), np.uint8)
+    for t, (s, _) in enumerate(enc["offset_mapping"]):
+        if any(a <= s < b for a, b in spans):
+            mask[t] = 1
+    return Doc(ids, mask)
+
+
+def code_docs(tokenizer, *, split: str, val_percent: float, max_docs: int | None, eos_id: int | None) -> list[Doc]:
+    docs = []
+    for rel, path in stdlib_files():
+        if is_validation(rel, val_percent) != (split == "val"):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if not text.strip():
+            continue
+        ids = encode_text(tokenizer, text)
+        if eos_id is not None:
+            ids = np.append(ids, np.int32(eos_id))
+        docs.append(Doc(ids, np.ones(len(ids), np.uint8), rel))
+        if max_docs and len(docs) >= max_docs:
+            break
+    return docs
+
+
+def chat_docs(tokenizer, path: str, *, split: str, val_percent: float, max_docs: int | None) -> list[Doc]:
+    docs = []
+    with open(path, encoding="utf-8") as fh:
+        for i, line in enumerate(fh):
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            msgs = rec.get("messages") or [
+                {"role": "user", "content": rec["prompt"]},
+                {"role": "assistant", "content": rec["response"]},
+            ]
+            name = rec.get("id", f"line{i}")
+            if is_validation(str(name), val_percent) != (split == "val"):
+                continue
+            d = chat_tokens(tokenizer, msgs)
+            d.name = str(name)
+            docs.append(d)
+            if max_docs and len(docs) >= max_docs:
+                break
+    return docs
+
+
+# --------------------------------------------------------------------------- self-distillation
+
+
+def stdlib_function_prompts(*, split: str, val_percent: float, limit: int | None) -> list[tuple[str, str]]:
+    """(name, prompt) pairs: HumanEval-style 'complete this function' from stdlib functions
+    with a docstring (signature + docstring, body removed)."""
+    out = []
+    for rel, path in stdlib_files():
+        if is_validation(rel, val_percent) != (split == "val"):
+            continue
+        if "/test" in "/" + rel or rel.startswith("test"):
+            continue
+        try:
+            src = path.read_text(encoding="utf-8")
+            tree = ast.parse(src)
+        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+            continue
+        lines = src.splitlines()
+        for node in tree.body:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node, clean=False)
+            if not doc or len(doc) < 20 or not node.body:
+                continue
+            body0 = node.body[0]
+            head = "\n".join(lines[node.lineno - 1 - len(node.decorator_list) : body0.end_lineno])
+            if len(head) > 1500:
+                continue
+            prompt = (
+                "Complete the following Python function. Reply with the full function in a code block.\n\n"
+                f"```python\n{head}\n```"
+            )
+            out.append((f"{rel}:{node.name}", prompt))
+            if limit and len(out) >= limit:
+                return out
+    return out
+
+
+def generate_selfdistill(target, tokenizer, prompts: list[tuple[str, str]], out_path: Path, *,
+                         max_new_tokens: int, batch: int, eos_ids: Sequence[int], log=print) -> None:
+    """Append target answers to `out_path` (JSONL of prompt/response ids); resumable."""
+    from peagle_jax.generate import speculative_generate
+
+    done = 0
+    if out_path.exists():
+        raw = out_path.read_bytes()
+        if raw and not raw.endswith(b"\n"):  # a crash mid-write: drop the partial record
+            out_path.write_bytes(raw[: raw.rfind(b"\n") + 1])
+        with open(out_path) as fh:
+            done = sum(1 for line in fh if line.strip())
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    todo = prompts[done:]
+    for s in range(0, len(todo), batch):
+        chunk = todo[s : s + batch]
+        enc = [
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            for _, p in chunk
+        ]
+        ids = [encode_text(tokenizer, e).tolist() for e in enc]
+        while len(ids) < batch:  # keep the batch shape fixed (one compile)
+            ids.append(ids[-1])
+        res = speculative_generate(target, None, ids, method="none", max_new_tokens=max_new_tokens,
+                                   eos_token_ids=list(eos_ids))
+        with open(out_path, "a") as fh:
+            for (name, _), p, r in zip(chunk, ids, res.tokens):
+                fh.write(json.dumps({"name": name, "prompt": p, "response": r}) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        log(f"selfdistill: {done + s + len(chunk)}/{len(prompts)} answers")
+
+
+def read_selfdistill(path: Path) -> list[Doc]:
+    docs = []
+    with open(path) as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            p, a = r["prompt"], r["response"]
+            toks = np.asarray(p + a, np.int32)
+            mask = np.concatenate([np.zeros(len(p), np.uint8), np.ones(len(a), np.uint8)])
+            docs.append(Doc(toks, mask, r["name"]))
+    return docs
+
+
+def random_docs(target, *, num: int, prompt_len: int, new_tokens: int, seed: int, batch: int = 16) -> list[Doc]:
+    """Greedy continuations of random prompts by a (tiny) target: learnable, target-shaped data."""
+    from peagle_jax.generate import speculative_generate
+
+    rng = np.random.default_rng(seed)
+    v = target.config.vocab_size
+    docs = []
+    for s in range(0, num, batch):
+        prompts = [rng.integers(1, v - 1, prompt_len).tolist() for _ in range(min(batch, num - s))]
+        res = speculative_generate(target, None, prompts, method="none", max_new_tokens=new_tokens)
+        for i, (p, r) in enumerate(zip(prompts, res.tokens)):
+            toks = np.asarray(p + r, np.int32)
+            mask = np.concatenate([np.zeros(len(p), np.uint8), np.ones(len(r), np.uint8)])
+            docs.append(Doc(toks, mask, f"rand{s + i}"))
+    return docs
+
+
+# --------------------------------------------------------------------------- packing
+
+
+def shuffled(n: int, seed: int, epoch: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+class PackPlan:
+    """Deterministic infinite stream of packed rows: per epoch a seeded permutation of the
+    documents, packed greedily (in order) into rows of `seq_len` shifted elements. A document
+    of L tokens yields L - 1 elements; documents must satisfy L - 1 <= seq_len."""
+
+    def __init__(self, lengths: Sequence[int], seq_len: int, seed: int, pack: bool = True):
+        self.elems = np.asarray(lengths, np.int64) - 1
+        if (self.elems > seq_len).any():
+            raise ValueError("a document is longer than seq_len + 1 tokens; chunk it first")
+        self.seq_len, self.seed, self.pack = seq_len, seed, pack
+        self._epochs: dict[int, list[list[int]]] = {}
+        self._starts = [0]
+
+    def epoch_rows(self, e: int) -> list[list[int]]:
+        if e not in self._epochs:
+            rows, cur, used = [], [], 0
+            for i in shuffled(len(self.elems), self.seed, e):
+                L = int(self.elems[i])
+                if L <= 0:
+                    continue
+                if cur and (not self.pack or used + L > self.seq_len):
+                    rows.append(cur)
+                    cur, used = [], 0
+                cur.append(int(i))
+                used += L
+            if cur:
+                rows.append(cur)
+            self._epochs[e] = rows
+        return self._epochs[e]
+
+    def row(self, index: int) -> tuple[int, list[int]]:
+        """(epoch, doc ids) of the index-th row of the stream."""
+        while len(self._starts) <= 1 or self._starts[-1] <= index:
+            e = len(self._starts) - 1
+            self._starts.append(self._starts[-1] + len(self.epoch_rows(e)))
+        e = int(np.searchsorted(self._starts, index, side="right") - 1)
+        return e, self.epoch_rows(e)[index - self._starts[e]]
+
+    def rows_per_epoch(self) -> int:
+        return len(self.epoch_rows(0))
+
+
+def pack_row(seq_len: int, docs: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]],
+             aux_dim: int, hid_dim: int, dtype=np.float32):
+    """Pack documents (tokens, loss_mask, aux [L,A] | None, final_hidden [L,H] | None) into one
+    row of shifted elements: element i = (x_{i+1}, g_i, h_{i+1}, l_{i+1}), per-document
+    positions and document ids (-1 = padding)."""
+    n = seq_len
+    tokens = np.zeros((n,), np.int32)
+    pos = np.zeros((n,), np.int32)
+    doc = np.full((n,), -1, np.int32)
+    lm = np.zeros((n,), np.float32)
+    aux = np.zeros((n, aux_dim), dtype) if aux_dim else None
+    fh = np.zeros((n, hid_dim), dtype) if hid_dim else None
+    o = 0
+    for d, (t, m, a, h) in enumerate(docs):
+        L = len(t) - 1
+        tokens[o : o + L] = t[1:]
+        lm[o : o + L] = m[1:]
+        pos[o : o + L] = np.arange(L)
+        doc[o : o + L] = d
+        if aux is not None:
+            aux[o : o + L] = a[:L]
+            fh[o : o + L] = h[1:]
+        o += L
+    return tokens, lm, pos, doc, aux, fh

@@ -1,0 +1,67 @@
+"""Greedy acceptance of a trained head on held-out prompts.
+
+    python -m train.evaluate --run_dir /work/runs/peagle_smollm2 [--head EXPORTED_DIR] \
+        [--num_draft_tokens 5] [--prompts 16] [--max_new_tokens 128] [--batch 8]
+
+Prompts are the validation split of the self-distillation prompts (stdlib functions held out
+by file), rendered with the target's chat template. Prints one JSON line: mean acceptance
+length and per-position acceptance rates (`speculative_generate`, greedy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m train.evaluate")
+    p.add_argument("--run_dir", required=True)
+    p.add_argument("--head", default=None, help="an exported head directory (default: the run's latest checkpoint)")
+    p.add_argument("--num_draft_tokens", type=int, default=None)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8)
+    a = p.parse_args(argv)
+
+    from peagle_jax.checkpoints.drafter_io import load_drafter
+    from peagle_jax.generate import speculative_generate
+    from train.data import encode_text, stdlib_function_prompts
+    from train.export import load_trained
+    from train.features import load_target_and_tokenizer
+
+    import yaml
+    from pathlib import Path
+
+    from train.config import TrainConfig
+
+    cfg = TrainConfig.model_validate(yaml.safe_load((Path(a.run_dir) / "config.yaml").read_text()))
+    target, tok, eos, _ = load_target_and_tokenizer(cfg)
+    drafter, target, cfg, step = load_trained(a.run_dir, target=target)
+    if a.head:
+        drafter = load_drafter(a.head, target=target)
+    method = cfg.objective.method
+    k = a.num_draft_tokens or (cfg.objective.num_depths if method == "peagle" else cfg.objective.ttt_steps)
+    if tok is None:
+        rng = np.random.default_rng(123)
+        prompts = [rng.integers(1, target.config.vocab_size - 1, 4).tolist() for _ in range(a.prompts)]
+    else:
+        pairs = stdlib_function_prompts(split="val", val_percent=cfg.data.val_percent, limit=a.prompts)
+        prompts = [encode_text(tok, tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                             add_generation_prompt=True)).tolist() for _, q in pairs]
+    acc = np.zeros(k)
+    rounds = 0
+    for s in range(0, len(prompts), a.batch):
+        res = speculative_generate(target, drafter, prompts[s : s + a.batch], method=method, num_draft_tokens=k,
+                                   max_new_tokens=a.max_new_tokens, eos_token_ids=eos)
+        acc += res.accepted_per_position
+        rounds += res.total_rounds
+    print(json.dumps({"step": step, "method": method, "num_draft_tokens": k, "prompts": len(prompts),
+                      "mean_acceptance_length": float((rounds + acc.sum()) / max(rounds, 1)),
+                      "acceptance_rate_per_position": (acc / max(rounds, 1)).round(4).tolist()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""Target features: the three EAGLE-3 taps and the final hidden state, per document.
+
+`python -m train.features --config configs/train/peagle_smollm2.yaml [key=value ...]` builds
+the training and validation documents of the config's data source and writes their features
+to `<features_dir>/{train,val}/shard_XXXXX/` (npy, fp16 or bf16 stored as uint16). Shards are
+written to a temporary directory and renamed when complete, so an interrupted run resumes at
+the first missing shard. The target logits are not stored: they come from the final hidden
+state through the frozen lm_head inside the training step (576 values a token for SmolLM2
+instead of 49152).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from train.config import TrainConfig, config_from_argv
+from train.data import (Doc, chat_docs, chunk_doc, code_docs, generate_selfdistill, random_docs,
+                        read_selfdistill, stdlib_function_prompts)
+
+_DTYPES = {"float16": np.float16, "float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+
+
+# --------------------------------------------------------------------------- target + docs
+
+
+def load_target_and_tokenizer(cfg: TrainConfig):
+    """(target CausalLM, tokenizer or None, eos ids, model path or None)."""
+    if cfg.model.random_target is not None:
+        from peagle_jax.models import ModelConfig, create_model
+
+        mc = ModelConfig(**{"architecture": "llama", **cfg.model.random_target})
+        model = create_model(mc, seed=cfg.model.random_seed)
+        _rescale_random(model)
+        return model, None, [], None
+    from peagle_jax.checkpoints import load_target
+    from peagle_jax.checkpoints.default_model import resolve_model_path
+    from peagle_jax.checkpoints.tokenizer import eos_token_ids, load_tokenizer
+
+    path = resolve_model_path(cfg.model.target)
+    target = load_target(path, dtype=cfg.model.dtype)
+    tok = load_tokenizer(path)
+    return target, tok, eos_token_ids(tok, path), path
+
+
+def _rescale_random(model) -> None:
+    """Bring a randomly initialised (std 0.02) target to O(1) activations so its next-token
+    distributions are peaked, like a trained model's: projections get std 1/sqrt(fan_in),
+    the embedding std 1."""
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name = path[-1]
+        x = var.get_value()
+        if name == "kernel":
+            var.set_value(x / (0.02 * np.sqrt(x.shape[0])))
+        elif name in ("embed_tokens", "lm_head"):
+            var.set_value(x / 0.02 if name == "embed_tokens" else x / (0.02 * np.sqrt(x.shape[0])))
+
+
+def chunk_len(cfg: TrainConfig) -> int:
+    return min(cfg.data.max_doc_tokens, cfg.data.seq_len + 1)
+
+
+def load_documents(cfg: TrainConfig, split: str, target, tokenizer, eos_ids, log=print) -> list[Doc]:
+    d = cfg.data
+    limit = d.max_docs if split == "train" else max(8, (d.max_docs or 10**9) // 20)
+    if d.source == "code":
+        docs = code_docs(tokenizer, split=split, val_percent=d.val_percent, max_docs=limit,
+                         eos_id=eos_ids[-1] if eos_ids else None)
+    elif d.source == "chat":
+        if not d.chat_path:
+            raise ValueError("data.source=chat needs data.chat_path")
+        docs = chat_docs(tokenizer, d.chat_path, split=split, val_percent=d.val_percent, max_docs=limit)
+    elif d.source == "selfdistill":
+        n = d.sd_max_prompts if split == "train" else max(8, d.sd_max_prompts // 20)
+        prompts = stdlib_function_prompts(split=split, val_percent=d.val_percent, limit=n)
+        out = cfg.features_dir / f"selfdistill_{split}.jsonl"
+        generate_selfdistill(target, tokenizer, prompts, out, max_new_tokens=d.sd_max_new_tokens,
+                             batch=d.sd_batch, eos_ids=eos_ids, log=log)
+        docs = read_selfdistill(out)
+    elif d.source == "random":
+        num = d.random_docs if split == "train" else max(4, d.random_docs // 8)
+        docs = random_docs(target, num=num, prompt_len=d.random_prompt_len, new_tokens=d.random_new_tokens,
+                           seed=cfg.data.shuffle_seed + (0 if split == "train" else 7919))
+    else:  # pragma: no cover
+        raise ValueError(d.source)
+    out_docs: list[Doc] = []
+    for doc in docs:
+        out_docs.extend(chunk_doc(doc, chunk_len(cfg)))
+    return out_docs
+
+
+# --------------------------------------------------------------------------- extraction
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _extract(graphdef, state, tokens):
+    model = nnx.merge(graphdef, state)
+    b, t = tokens.shape
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+    out = model(tokens, pos, model.init_cache(b, t), return_aux=True, return_final_hidden=True,
+                compute_logits=False)
+    return out.aux_hidden, out.final_hidden
+
+
+def target_features(target, tokens: np.ndarray):
+    """aux [B,T,3H], final hidden [B,T,H] for a padded batch (float32 numpy)."""
+    g, s = nnx.split(target)
+    a, h = _extract(g, s, jnp.asarray(tokens, jnp.int32))
+    return np.asarray(a, np.float32), np.asarray(h, np.float32)
+
+
+def _bucket(n: int, lo: int = 32) -> int:
+    b = lo
+    while b < n:
+        b *= 2
+    return b
+
+
+class FeatureStore:
+    """Read side of the shards: per-document tokens, loss mask, taps and final hidden state."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        meta = json.loads((self.root / "meta.json").read_text())
+        self.meta = meta
+        self.dtype = meta["dtype"]
+        self.docs: list[tuple[int, int, int]] = []  # (shard, offset, length)
+        self.shards = []
+        for i, name in enumerate(meta["shards"]):
+            d = self.root / name
+            arrs = {k: np.load(d / f"{k}.npy", mmap_mode="r") for k in ("tokens", "mask", "aux", "hidden", "docs")}
+            self.shards.append(arrs)
+            for off, ln in np.asarray(arrs["docs"]):
+                self.docs.append((i, int(off), int(ln)))
+
+    def __len__(self):
+        return len(self.docs)
+
+    def lengths(self) -> list[int]:
+        return [d[2] for d in self.docs]
+
+    def _cast(self, x):
+        if self.dtype == "bfloat16":
+            return np.asarray(x).view(ml_dtypes.bfloat16).astype(np.float32)
+        return np.asarray(x, np.float32)
+
+    def get(self, i: int, with_features: bool = True):
+        s, off, ln = self.docs[i]
+        a = self.shards[s]
+        t = np.asarray(a["tokens"][off : off + ln])
+        m = np.asarray(a["mask"][off : off + ln])
+        if not with_features:
+            return t, m, None, None
+        return t, m, self._cast(a["aux"][off : off + ln]), self._cast(a["hidden"][off : off + ln])
+
+
+def _write_shard(root: Path, idx: int, first_doc: int, docs: list[Doc], aux: list, hid: list, dtype: str):
+    name = f"shard_{idx:05d}"
+    tmp = root / f".{name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    lens = [len(d.tokens) for d in docs]
+    offs = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    npdt = _DTYPES[dtype]
+
+    def conv(x):
+        x = np.concatenate(x).astype(npdt)
+        return x.view(np.uint16) if dtype == "bfloat16" else x
+
+    np.save(tmp / "tokens.npy", np.concatenate([d.tokens for d in docs]).astype(np.int32))
+    np.save(tmp / "mask.npy", np.concatenate([d.loss_mask for d in docs]).astype(np.uint8))
+    np.save(tmp / "aux.npy", conv(aux))
+    np.save(tmp / "hidden.npy", conv(hid))
+    np.save(tmp / "docs.npy", np.stack([offs, np.asarray(lens, np.int64)], axis=1))
+    (tmp / "shard.json").write_text(json.dumps({"first_doc": first_doc, "num_docs": len(docs),
+                                                "names": [d.name for d in docs]}))
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    os.rename(tmp, root / name)
+    return name
+
+
+def extract_to_disk(cfg: TrainConfig, split: str, target, docs: list[Doc], log=print) -> Path:
+    """Write features of `docs` to <features_dir>/<split>; resumes at the first missing shard."""
+    root = cfg.features_dir / split
+    root.mkdir(parents=True, exist_ok=True)
+    if (root / "meta.json").exists():
+        meta = json.loads((root / "meta.json").read_text())
+        if meta.get("complete") and meta.get("num_docs") == len(docs):
+            log(f"features {split}: complete ({len(docs)} docs)")
+            return root
+    done = []
+    next_doc = 0
+    for d in sorted(root.glob("shard_*")):
+        info = json.loads((d / "shard.json").read_text())
+        done.append(d.name)
+        next_doc = info["first_doc"] + info["num_docs"]
+    # process docs in index order, batched by similar length inside a window
+    bs = cfg.data.extract_batch
+    buf_docs, buf_aux, buf_hid = [], [], []
+    shard_idx, first = len(done), next_doc
+    t0, ntok = time.time(), 0
+    i = next_doc
+    while i < len(docs):
+        batch = docs[i : i + bs]
+        cap = -(-chunk_len(cfg) // 64) * 64  # e.g. 513 -> 576, not 1024
+        t = min(_bucket(max(len(d.tokens) for d in batch)), cap)
+        arr = np.zeros((bs, t), np.int32)
+        for j, d in enumerate(batch):
+            arr[j, : len(d.tokens)] = d.tokens
+        a, h = target_features(target, arr)
+        for j, d in enumerate(batch):
+            buf_docs.append(d)
+            buf_aux.append(a[j, : len(d.tokens)])
+            buf_hid.append(h[j, : len(d.tokens)])
+            ntok += len(d.tokens)
+        i += len(batch)
+        if sum(len(d.tokens) for d in buf_docs) >= cfg.data.shard_tokens or i >= len(docs):
+            done.append(_write_shard(root, shard_idx, first, buf_docs, buf_aux, buf_hid, cfg.data.feature_dtype))
+            shard_idx += 1
+            first = i
+            buf_docs, buf_aux, buf_hid = [], [], []
+            el = time.time() - t0
+            log(f"features {split}: {i}/{len(docs)} docs, {ntok / max(el, 1e-9):.0f} tokens/s")
+    meta = {
+        "complete": True, "num_docs": len(docs), "shards": done, "dtype": cfg.data.feature_dtype,
+        "aux_dim": int(target.config.hidden_size * len(target.config.eagle_aux_layer_ids)),
+        "hidden_dim": int(target.config.hidden_size), "chunk_len": chunk_len(cfg),
+        "source": cfg.data.source, "target": cfg.model.target if cfg.model.random_target is None else "random",
+    }
+    tmp = root / ".meta.json.tmp"
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, root / "meta.json")
+    return root
+
+
+def ensure_features(cfg: TrainConfig, target=None, tokenizer=None, eos_ids=(), log=print) -> dict[str, Path]:
+    out = {}
+    for split in ("train", "val"):
+        root = cfg.features_dir / split
+        if (root / "meta.json").exists() and json.loads((root / "meta.json").read_text()).get("complete"):
+            out[split] = root
+            continue
+        if target is None:
+            target, tokenizer, eos_ids, _ = load_target_and_tokenizer(cfg)
+        docs = load_documents(cfg, split, target, tokenizer, eos_ids, log=log)
+        log(f"{split}: {len(docs)} documents, {sum(len(d.tokens) for d in docs)} tokens")
+        out[split] = extract_to_disk(cfg, split, target, docs, log=log)
+    return out
+
+
+def main(argv=None):
+    cfg = config_from_argv(sys.argv[1:] if argv is None else argv)
+    ensure_features(cfg)
+
+
+if __name__ == "__main__":
+    main()

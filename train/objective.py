@@ -1,0 +1,228 @@
+"""Training forwards for the draft head (P-EAGLE and EAGLE-3 TTT) and the KL objective.
+
+The inference forward (`Eagle3Drafter.__call__`) attends through a KV cache with an
+absolute-position causal mask. Training needs other masks, so these functions reuse the
+drafter's submodules (fc, q/k/v/o projections, norms, MLP, lm_head) and compute attention
+themselves.
+
+Packed-row convention (the EAGLE shift, reference §1.2): element i of a row holds the token
+x_{i+1}, the target taps g_i, the target's final hidden state at position i+1 (its logits are
+the distribution over x_{i+2}) and the loss mask of position i+1. `doc` is the document id of
+the element within the row (-1 = padding); `positions` restart at 0 in each document.
+
+P-EAGLE attention (reference §2.3) without a dense mask over the flattened sequence (§8):
+  * depth-0 rows: causal attention over depth-0 keys of the same document;
+  * chain element (anchor a, depth d): depth-0 keys j <= a of a's document, plus the keys of
+    its own chain at depths 1..d (gathered through `chain_idx`); both parts go through one
+    softmax (a joint log-sum-exp). Masks are built from index comparisons inside the step,
+    never stored; the cost is O(n^2 + M n + M K) per row.
+EAGLE-3 TTT (reference §5.3): step s >= 1 feeds back the previous step's pre-norm output and
+the ground-truth token shifted by s, at position i + s; query i attends to depth-0 keys j <= i
+plus its own keys from steps 1..s (the "diagonal").
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from peagle_jax.models.layers import apply_rope, rope_inv_freq
+
+NEG = -1e30
+
+
+class Rows(NamedTuple):
+    """One packed batch (device arrays). Chain fields are None for EAGLE-3."""
+
+    tokens: jax.Array  # [B, n] int32
+    aux: jax.Array  # [B, n, 3Ht]
+    target_hidden: jax.Array  # [B, n, Ht] (after the target's final norm)
+    positions: jax.Array  # [B, n] int32
+    doc: jax.Array  # [B, n] int32
+    loss_mask: jax.Array  # [B, n] float32
+    chain_anchor: jax.Array | None = None  # [B, M]
+    chain_depth: jax.Array | None = None  # [B, M]
+    chain_valid: jax.Array | None = None  # [B, M]
+    chain_idx: jax.Array | None = None  # [B, M, K-1]
+
+
+def _qkv(attn, x, positions):
+    b, t, _ = x.shape
+    q = attn.q_proj(x).reshape(b, t, attn.num_heads, attn.head_dim)
+    k = attn.k_proj(x).reshape(b, t, attn.num_kv_heads, attn.head_dim)
+    v = attn.v_proj(x).reshape(b, t, attn.num_kv_heads, attn.head_dim)
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    inv = rope_inv_freq(attn.head_dim, attn.rope_theta, attn.rope_scaling)
+    return apply_rope(q, positions, inv), apply_rope(k, positions, inv), v
+
+
+def _group(q, num_kv):
+    b, t, nh, d = q.shape
+    return q.reshape(b, t, num_kv, nh // num_kv, d)
+
+
+def attend(q, k0, v0, ctx_limit, doc, extra_k=None, extra_v=None, extra_mask=None):
+    """Queries [B,R,Nh,D] over depth-0 keys j <= ctx_limit[b,r] of the same document
+    (doc of the key == doc of element ctx_limit), plus optional per-query extra keys
+    [B,R,E,Nkv,D] (mask [B,R,E]) in the same softmax. Returns [B,R,Nh,D]."""
+    num_kv, d = k0.shape[2], k0.shape[3]
+    qg = _group(q.astype(jnp.float32), num_kv)  # [B,R,Nkv,G,D]
+    scale = 1.0 / jnp.sqrt(jnp.float32(d))
+    s_ctx = jnp.einsum("brkgd,bskd->brkgs", qg, k0.astype(jnp.float32)) * scale
+    n = k0.shape[1]
+    j = jnp.arange(n)[None, None, :]
+    qdoc = jnp.take_along_axis(doc, ctx_limit, axis=1)  # [B,R]
+    ok = (j <= ctx_limit[..., None]) & (doc[:, None, :] == qdoc[..., None]) & (qdoc[..., None] >= 0)
+    s_ctx = jnp.where(ok[:, :, None, None, :], s_ctx, NEG)
+    if extra_k is None:
+        p = jax.nn.softmax(s_ctx, axis=-1)
+        out = jnp.einsum("brkgs,bskd->brkgd", p, v0.astype(jnp.float32))
+    else:
+        s_ex = jnp.einsum("brkgd,brekd->brkge", qg, extra_k.astype(jnp.float32)) * scale
+        s_ex = jnp.where(extra_mask[:, :, None, None, :], s_ex, NEG)
+        p = jax.nn.softmax(jnp.concatenate([s_ctx, s_ex], axis=-1), axis=-1)
+        out = jnp.einsum("brkgs,bskd->brkgd", p[..., :n], v0.astype(jnp.float32))
+        out = out + jnp.einsum("brkge,brekd->brkgd", p[..., n:], extra_v.astype(jnp.float32))
+    b, r = q.shape[:2]
+    return out.reshape(b, r, -1).astype(q.dtype)
+
+
+def _layer_in(layer, x, embeds):
+    if layer.first:
+        hn = layer.hidden_norm(x)
+        attn_in = jnp.concatenate([layer.input_layernorm(embeds), hn], axis=-1)
+        residual = hn if layer.norm_before_residual else x
+    else:
+        attn_in, residual = layer.input_layernorm(x), x
+    return attn_in, residual
+
+
+def _layer_out(layer, residual, a):
+    x = residual + layer.self_attn.o_proj(a)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def peagle_forward(drafter, rows: Rows, mask_embed, mask_feature):
+    """Pre-norm outputs for depth-0 rows [B,n,H] and chain slots [B,M,H]."""
+    b, n = rows.tokens.shape
+    m = rows.chain_anchor.shape[1]
+    emb_table = drafter.embed_tokens[...]
+    e0 = jnp.take(emb_table, rows.tokens, axis=0)
+    x0 = drafter.project(rows.aux).astype(e0.dtype)
+    ec = jnp.broadcast_to(mask_embed.astype(e0.dtype), (b, m, e0.shape[-1]))
+    xc = jnp.broadcast_to(mask_feature.astype(e0.dtype), (b, m, x0.shape[-1]))
+    pos0 = rows.positions
+    posc = jnp.take_along_axis(pos0, rows.chain_anchor, axis=1) + rows.chain_depth
+    self0 = jnp.broadcast_to(jnp.arange(n)[None], (b, n))
+    cidx = jnp.maximum(rows.chain_idx, 0)
+    cmask = rows.chain_idx >= 0
+    for layer in drafter.layers:
+        in0, res0 = _layer_in(layer, x0, e0)
+        inc, resc = _layer_in(layer, xc, ec)
+        q0, k0, v0 = _qkv(layer.self_attn, in0, pos0)
+        qc, kc, vc = _qkv(layer.self_attn, inc, posc)
+        a0 = attend(q0, k0, v0, self0, rows.doc)
+        gk = jax.vmap(lambda kk, ii: kk[ii])(kc, cidx)  # [B,M,K-1,Nkv,D]
+        gv = jax.vmap(lambda vv, ii: vv[ii])(vc, cidx)
+        ac = attend(qc, k0, v0, rows.chain_anchor, rows.doc, gk, gv, cmask)
+        x0, xc = _layer_out(layer, res0, a0), _layer_out(layer, resc, ac)
+    return x0, xc
+
+
+def eagle3_forward(drafter, rows: Rows, steps: int):
+    """TTT unroll: list of (prenorm [B,n,H], tokens index shift s) for s = 0..steps-1."""
+    b, n = rows.tokens.shape
+    emb_table = drafter.embed_tokens[...]
+    self0 = jnp.broadcast_to(jnp.arange(n)[None], (b, n))
+    outs = []
+    kv0: list = []
+    extra: list[list] = [[] for _ in drafter.layers]
+    x = drafter.project(rows.aux).astype(emb_table.dtype)
+    for s in range(steps):
+        tok = _shift(rows.tokens, s)
+        e = jnp.take(emb_table, tok, axis=0)
+        pos = rows.positions + s
+        h = x
+        for li, layer in enumerate(drafter.layers):
+            attn_in, res = _layer_in(layer, h, e)
+            q, k, v = _qkv(layer.self_attn, attn_in, pos)
+            if s == 0:
+                kv0.append((k, v))
+                a = attend(q, k, v, self0, rows.doc)
+            else:
+                extra[li].append((k, v))
+                ek = jnp.stack([kv[0] for kv in extra[li]], axis=2)
+                ev = jnp.stack([kv[1] for kv in extra[li]], axis=2)
+                em = jnp.ones(ek.shape[:3], bool)
+                a = attend(q, kv0[li][0], kv0[li][1], self0, rows.doc, ek, ev, em)
+            h = _layer_out(layer, res, a)
+        outs.append(h)
+        x = h  # pre-norm output fed back as the next step's feature
+    return outs
+
+
+def _shift(x, s):
+    """x[:, i + s] (zero / False past the end)."""
+    if s == 0:
+        return x
+    pad = jnp.zeros((x.shape[0], s) + x.shape[2:], x.dtype)
+    return jnp.concatenate([x[:, s:], pad], axis=1)
+
+
+def kl_terms(draft_logits, target_logits):
+    """Forward KL(p_target || q_draft) per row (fp32, over the draft vocabulary) and argmax hit."""
+    tl = target_logits.astype(jnp.float32)
+    dl = draft_logits.astype(jnp.float32)
+    logp = jax.nn.log_softmax(tl, axis=-1)
+    logq = jax.nn.log_softmax(dl, axis=-1)
+    kl = jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)
+    hit = jnp.argmax(dl, axis=-1) == jnp.argmax(tl, axis=-1)
+    return kl, hit
+
+
+def _draft_logits(drafter, prenorm):
+    return drafter.logits_from_prenorm(prenorm)
+
+
+def _target_logits(drafter, hidden):
+    # The drafter's lm_head is frozen and equal to the target's draft-vocab rows.
+    w = jax.lax.stop_gradient(drafter.lm_head[...])
+    return (hidden.astype(jnp.float32) @ w.astype(jnp.float32))
+
+
+def peagle_loss(drafter, rows: Rows, mask_embed, num_depths: int):
+    """Count-normalised KL over depth-0 and chain elements; per-depth sums for metrics."""
+    x0, xc = peagle_forward(drafter, rows, mask_embed, drafter.mask_feature())
+    n = rows.tokens.shape[1]
+    kl0, hit0 = kl_terms(_draft_logits(drafter, x0), _target_logits(drafter, rows.target_hidden))
+    w0 = rows.loss_mask * (rows.doc >= 0)
+    sup = jnp.clip(rows.chain_anchor + rows.chain_depth, 0, n - 1)
+    th = jnp.take_along_axis(rows.target_hidden, sup[..., None], axis=1)
+    klc, hitc = kl_terms(_draft_logits(drafter, xc), _target_logits(drafter, th))
+    wc = rows.chain_valid.astype(jnp.float32) * jnp.take_along_axis(rows.loss_mask, sup, axis=1)
+    total = jnp.sum(w0 * kl0) + jnp.sum(wc * klc)
+    count = jnp.sum(w0) + jnp.sum(wc)
+    per = [(jnp.sum(w0), jnp.sum(w0 * kl0), jnp.sum(w0 * hit0))]
+    for d in range(1, num_depths):
+        sel = wc * (rows.chain_depth == d)
+        per.append((jnp.sum(sel), jnp.sum(sel * klc), jnp.sum(sel * hitc)))
+    return total, count, jnp.array(per)  # per: [K, 3] (count, kl sum, hits)
+
+
+def eagle3_loss(drafter, rows: Rows, steps: int, decay: float):
+    outs = eagle3_forward(drafter, rows, steps)
+    total = 0.0
+    count = 0.0
+    per = []
+    for s, h in enumerate(outs):
+        th = _shift(rows.target_hidden, s)
+        w = _shift(rows.loss_mask, s) * (rows.doc >= 0) * (_shift(rows.doc, s) == rows.doc)
+        kl, hit = kl_terms(_draft_logits(drafter, h), _target_logits(drafter, th))
+        total = total + (decay**s) * jnp.sum(w * kl)
+        if s == 0:
+            count = jnp.sum(w)  # loss = sum_s decay^s * KL_s / (step-0 count) ~ sum of per-step means
+        per.append((jnp.sum(w), jnp.sum(w * kl), jnp.sum(w * hit)))
+    return total, count, jnp.array(per)

@@ -1,0 +1,416 @@
+"""Training loop: `python -m train.train --config configs/train/peagle_smollm2.yaml [key=value ...]`.
+
+* AdamW with linear warmup + cosine decay, global-norm clipping (optax).
+* Trainable: fc, drafter layers, final norm, mask_hidden, and the embedding according to
+  `drafter.train_embed` (none / mask_row / all). The lm_head is frozen: it is the target's
+  lm_head restricted to the draft vocabulary, so it also gives the target logits.
+* Data-parallel over a `jax.sharding.Mesh` with one `data` axis: batch rows are sharded,
+  parameters and optimizer state replicated; the loss is a global count-normalised sum, so it
+  does not depend on the number of devices. Multi-host: set JAX_COORDINATOR_ADDRESS,
+  JAX_NUM_PROCESSES and JAX_PROCESS_ID (or PEAGLE_DISTRIBUTED=1 on SLURM / TPU pods) and
+  start the same command on every host; each process builds only its own rows. With disk
+  features, run `python -m train.features` once first (on a shared filesystem) so the hosts
+  do not extract concurrently.
+* Orbax checkpoints every `checkpoint_every` steps (trainable params, optimizer state, step,
+  config). Orbax writes a step into a temporary directory and renames it when complete, so a
+  crash never leaves a corrupt latest checkpoint. Data order and COD/noise randomness are pure
+  functions of (seed, step, row), so a resumed run continues exactly.
+* Metrics: one JSON line per step in <run_dir>/metrics.jsonl (loss, per-depth accuracy and
+  KL, learning rate, grad norm, tokens/s, positions/s); a tqdm progress bar.
+
+Launch example (2 hosts, 8 GPUs each):
+    # host 0
+    JAX_COORDINATOR_ADDRESS=10.0.0.1:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0 \
+        python -m train.train --config configs/train/peagle_smollm2.yaml batch_size=64
+    # host 1: the same with JAX_PROCESS_ID=1
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import yaml
+from flax import nnx
+from flax.traverse_util import flatten_dict, unflatten_dict
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from peagle_jax.drafters import DrafterConfig, create_drafter
+from train.cod import cod_sample
+from train.config import TrainConfig, config_from_argv
+from train.data import PackPlan, pack_row
+from train.features import FeatureStore, ensure_features, load_documents, load_target_and_tokenizer
+from train.objective import Rows, eagle3_loss, peagle_loss
+from train.vocab import draft_ids_from_counts, token_counts, vocab_maps
+
+
+def maybe_initialize_distributed() -> None:
+    env = os.environ
+    if jax.distributed.is_initialized() if hasattr(jax.distributed, "is_initialized") else False:
+        return
+    if env.get("JAX_COORDINATOR_ADDRESS") and env.get("JAX_NUM_PROCESSES"):
+        jax.distributed.initialize(env["JAX_COORDINATOR_ADDRESS"], int(env["JAX_NUM_PROCESSES"]),
+                                   int(env.get("JAX_PROCESS_ID", "0")))
+    elif env.get("PEAGLE_DISTRIBUTED") == "1":
+        jax.distributed.initialize()
+
+
+def make_mesh(n: int) -> Mesh:
+    devs = jax.devices()
+    n = len(devs) if n in (-1, 0, None) else n
+    if n > len(devs):
+        raise ValueError(f"mesh_data={n} but only {len(devs)} devices")
+    return Mesh(np.array(devs[:n]), ("data",))
+
+
+def _key(path) -> str:
+    return "/".join(str(p) for p in path)
+
+
+def _unflat(flat: dict[str, jax.Array]) -> dict:
+    return unflatten_dict({tuple(int(p) if p.isdigit() else p for p in k.split("/")): v for k, v in flat.items()})
+
+
+def split_params(drafter, train_embed: str, method: str):
+    """(graphdef, trainable flat dict, frozen flat dict)."""
+    graphdef, state = nnx.split(drafter)
+    flat = {_key(k): v for k, v in flatten_dict(nnx.to_pure_dict(state)).items()}
+    frozen_keys = {"lm_head", "d2t"}
+    if train_embed != "all":
+        frozen_keys.add("embed_tokens")
+    trainable = {k: v for k, v in flat.items() if k not in frozen_keys}
+    frozen = {k: v for k, v in flat.items() if k in frozen_keys}
+    if method == "peagle" and train_embed == "mask_row":
+        trainable["mask_embed"] = flat["embed_tokens"][drafter.config.mask_token_id]
+    return graphdef, trainable, frozen
+
+
+def merged_drafter(graphdef, trainable, frozen):
+    flat = {k: v for k, v in {**frozen, **trainable}.items() if k != "mask_embed"}
+    return nnx.merge(graphdef, _unflat(flat))
+
+
+def export_drafter(graphdef, trainable, frozen):
+    """A concrete Eagle3Drafter with the trained mask row written into embed_tokens."""
+    d = merged_drafter(graphdef, jax.device_get(trainable), jax.device_get(frozen))
+    if "mask_embed" in trainable:
+        d.embed_tokens.set_value(jnp.asarray(d.embed_tokens[...]).at[d.config.mask_token_id].set(jnp.asarray(trainable["mask_embed"])))
+    return d
+
+
+def build_drafter(cfg: TrainConfig, target, draft_ids: np.ndarray):
+    tc = target.config
+    peagle = cfg.objective.method == "peagle"
+    mask_id = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None else tc.vocab_size - 1
+    dc = DrafterConfig.for_target(
+        tc, num_layers=cfg.drafter.num_layers, parallel_drafting=peagle, mask_token_id=mask_id if peagle else None,
+        draft_vocab_size=int(draft_ids.shape[0]), num_depths=cfg.objective.num_depths,
+    )
+    d = create_drafter(dc, seed=cfg.drafter.init_seed)
+    d.embed_tokens.set_value(jnp.asarray(target.embed_tokens[...], d.embed_tokens[...].dtype))
+    d.lm_head.set_value(jnp.asarray(target.lm_head_weight()[:, draft_ids], d.lm_head[...].dtype))
+    d2t, _ = vocab_maps(draft_ids, tc.vocab_size)
+    d.d2t.set_value(jnp.asarray(d2t, jnp.int32))
+    return d
+
+
+def make_optimizer(cfg: TrainConfig):
+    o = cfg.optim
+    sched = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=o.lr, warmup_steps=max(o.warmup_steps, 1),
+        decay_steps=max(o.total_steps, o.warmup_steps + 1), end_value=o.lr * o.min_lr_ratio,
+    )
+    tx = optax.chain(
+        optax.clip_by_global_norm(o.clip_norm),
+        optax.adamw(sched, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay),
+    )
+    return tx, sched
+
+
+def make_loss_fn(cfg: TrainConfig, graphdef):
+    method = cfg.objective.method
+    k = cfg.objective.num_depths
+
+    def loss_fn(trainable, frozen, rows: Rows, key):
+        if cfg.data.noise_std > 0:
+            noise = jax.random.uniform(key, rows.aux.shape, jnp.float32, -cfg.data.noise_std, cfg.data.noise_std)
+            rows = rows._replace(aux=rows.aux + noise.astype(rows.aux.dtype))
+        drafter = merged_drafter(graphdef, trainable, frozen)
+        if method == "peagle":
+            if "mask_embed" in trainable:
+                me = trainable["mask_embed"]
+            else:
+                me = drafter.embed_tokens[...][drafter.config.mask_token_id]
+                if cfg.drafter.train_embed == "none":
+                    me = jax.lax.stop_gradient(me)
+            total, count, per = peagle_loss(drafter, rows, me, k)
+        else:
+            total, count, per = eagle3_loss(drafter, rows, cfg.objective.ttt_steps, cfg.objective.ttt_decay)
+        return total / (count + 1e-5), per
+
+    return loss_fn
+
+
+def online_rows(target_graphdef, target_state, raw_tokens, rows: Rows) -> Rows:
+    """Fill aux / target_hidden from a frozen target forward over raw tokens [B, n+1]."""
+    tgt = nnx.merge(target_graphdef, target_state)
+    b, t = raw_tokens.shape
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+    out = tgt(raw_tokens, pos, tgt.init_cache(b, t), return_aux=True, return_final_hidden=True, compute_logits=False)
+    aux = jax.lax.stop_gradient(out.aux_hidden[:, :-1])
+    fh = jax.lax.stop_gradient(out.final_hidden[:, 1:])
+    return rows._replace(aux=aux, target_hidden=fh)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, log=print):
+        maybe_initialize_distributed()
+        self.cfg, self.log = cfg, log
+        self.run_dir = Path(cfg.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.mesh = make_mesh(cfg.mesh_data)
+        ndata = self.mesh.devices.size
+        if cfg.batch_size % ndata:
+            raise ValueError(f"batch_size {cfg.batch_size} not divisible by {ndata} data devices")
+        self.target, self.tokenizer, self.eos_ids, _ = load_target_and_tokenizer(cfg)
+        tc = self.target.config
+        self.aux_dim = tc.hidden_size * len(tc.eagle_aux_layer_ids)
+        self.hid_dim = tc.hidden_size
+        self.online = cfg.data.features == "online"
+        if self.online:
+            self.docs = {s: load_documents(cfg, s, self.target, self.tokenizer, self.eos_ids, log=log)
+                         for s in ("train", "val")}
+            lengths = [len(d.tokens) for d in self.docs["train"]]
+            pairs = ((d.tokens, d.loss_mask) for d in self.docs["train"])
+        else:
+            paths = ensure_features(cfg, self.target, self.tokenizer, self.eos_ids, log=log)
+            self.stores = {s: FeatureStore(p) for s, p in paths.items()}
+            st = self.stores["train"]
+            lengths = st.lengths()
+            pairs = (st.get(i, with_features=False)[:2] for i in range(len(st)))
+        self.plan = PackPlan(lengths, cfg.data.seq_len, cfg.data.shuffle_seed, pack=not self.online)
+        vocab_file = self.run_dir / "draft_ids.npy"
+        if vocab_file.exists():
+            draft_ids = np.load(vocab_file)
+        else:
+            counts = token_counts(pairs, tc.vocab_size)
+            draft_ids = draft_ids_from_counts(counts, cfg.drafter.draft_vocab_size, always=self.eos_ids)
+            if jax.process_index() == 0:
+                np.save(vocab_file, draft_ids)
+        self.draft_ids = draft_ids
+        drafter = build_drafter(cfg, self.target, draft_ids)
+        self.drafter_config = drafter.config
+        self.graphdef, trainable, frozen = split_params(drafter, cfg.drafter.train_embed, cfg.objective.method)
+        self.tx, self.sched = make_optimizer(cfg)
+        rep = NamedSharding(self.mesh, P())
+        self.rep, self.data_sharding = rep, NamedSharding(self.mesh, P("data"))
+        self.trainable = jax.device_put(trainable, rep)
+        self.frozen = jax.device_put(frozen, rep)
+        self.opt_state = jax.device_put(self.tx.init(self.trainable), rep)
+        if self.online:
+            self.target_graphdef, tstate = nnx.split(self.target)
+            self.target_state = jax.device_put(tstate, rep)
+        else:
+            self.target_graphdef, self.target_state = None, None
+        self.step = 0
+        self.ckpt = ocp.CheckpointManager(
+            (self.run_dir / "checkpoints").absolute(),
+            options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints, create=True,
+                                                 enable_async_checkpointing=False),
+        )
+        if jax.process_index() == 0:
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+        self._restore()
+        self._build_step()
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def _restore(self):
+        latest = self.ckpt.latest_step()
+        if latest is None:
+            return
+        abstract = {"trainable": self.trainable, "opt_state": self.opt_state}
+        out = self.ckpt.restore(latest, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        self.trainable, self.opt_state = out["state"]["trainable"], out["state"]["opt_state"]
+        self.step = int(out["meta"]["step"])
+        self.log(f"resumed from step {self.step} ({self.run_dir / 'checkpoints'})")
+        mpath = self.run_dir / "metrics.jsonl"
+        if mpath.exists() and jax.process_index() == 0:  # drop records past the checkpoint
+            keep = [l for l in mpath.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= self.step]
+            mpath.write_text("".join(l + "\n" for l in keep))
+
+    def save(self):
+        meta = {"step": self.step, "draft_vocab_size": int(self.draft_ids.shape[0]),
+                "method": self.cfg.objective.method}
+        self.ckpt.save(self.step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave({"trainable": self.trainable, "opt_state": self.opt_state}),
+            meta=ocp.args.JsonSave(meta)), force=True)
+        self.ckpt.wait_until_finished()
+
+    # ----------------------------------------------------------------- data
+
+    def host_rows(self, step: int, split: str = "train") -> tuple[dict, int]:
+        """This process's rows of the global batch of `step` (numpy)."""
+        cfg = self.cfg
+        b = cfg.batch_size
+        nproc, pid = jax.process_count(), jax.process_index()
+        local = b // nproc
+        n = cfg.data.seq_len
+        cols = {k: [] for k in ("tokens", "aux", "target_hidden", "positions", "doc", "loss_mask", "raw")}
+        chains = []
+        plan = self.plan if split == "train" else self._val_plan()
+        for r in range(pid * local, (pid + 1) * local):
+            gidx = step * b + r
+            _, ids = plan.row(gidx)
+            if self.online:
+                src = self.docs[split]
+                docs = [(src[i].tokens, src[i].loss_mask, None, None) for i in ids]
+                t, lm, pos, doc, _, _ = pack_row(n, docs, 0, 0)
+                raw = np.zeros((n + 1,), np.int32)
+                raw[: len(docs[0][0])] = docs[0][0]
+                cols["raw"].append(raw)
+                aux = fh = None
+            else:
+                st = self.stores[split]
+                t, lm, pos, doc, aux, fh = pack_row(n, [st.get(i) for i in ids], self.aux_dim, self.hid_dim)
+            for k, v in (("tokens", t), ("aux", aux), ("target_hidden", fh), ("positions", pos), ("doc", doc), ("loss_mask", lm)):
+                cols[k].append(v)
+            if cfg.objective.method == "peagle":
+                o = cfg.objective
+                rng = np.random.default_rng([cfg.seed, 17 if split == "train" else 23, step, r])
+                chains.append(cod_sample(lm, doc, num_depths=o.num_depths, ratio=o.down_sample_ratio,
+                                         ratio_min=o.down_sample_ratio_min, max_anchors=o.max_anchors, rng=rng))
+        out = {k: np.stack(v) for k, v in cols.items() if v and v[0] is not None}
+        if chains:
+            out["chain_anchor"] = np.stack([c.anchor for c in chains])
+            out["chain_depth"] = np.stack([c.depth for c in chains])
+            out["chain_valid"] = np.stack([c.valid for c in chains])
+            out["chain_idx"] = np.stack([c.chain_idx for c in chains])
+        return out, b
+
+    def _val_plan(self):
+        if not hasattr(self, "_vplan"):
+            lengths = ([len(d.tokens) for d in self.docs["val"]] if self.online else self.stores["val"].lengths())
+            self._vplan = PackPlan(lengths, self.cfg.data.seq_len, 0, pack=not self.online)
+        return self._vplan
+
+    def device_rows(self, host: dict, global_b: int):
+        def put(x):
+            if x is None:
+                return None
+            return jax.make_array_from_process_local_data(self.data_sharding, x, (global_b,) + x.shape[1:])
+
+        arrs = {k: put(v) for k, v in host.items()}
+        raw = arrs.pop("raw", None)
+        rows = Rows(**{f: arrs.get(f) for f in Rows._fields})
+        return rows, raw
+
+    # ----------------------------------------------------------------- step
+
+    def _build_step(self):
+        loss_fn = make_loss_fn(self.cfg, self.graphdef)
+        tx, tg = self.tx, self.target_graphdef
+        seed = self.cfg.seed
+
+        def prepare(rows, raw, target_state):
+            if tg is not None:
+                rows = online_rows(tg, target_state, raw, rows)
+            return rows
+
+        def train_step(trainable, opt_state, frozen, rows, raw, target_state, step):
+            rows = prepare(rows, raw, target_state)
+            key = jax.random.fold_in(jax.random.key(seed), step)
+            (loss, per), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, frozen, rows, key)
+            updates, opt_state = tx.update(grads, opt_state, trainable)
+            trainable = optax.apply_updates(trainable, updates)
+            return trainable, opt_state, {"loss": loss, "per": per, "grad_norm": optax.global_norm(grads)}
+
+        def eval_step(trainable, frozen, rows, raw, target_state):
+            rows = prepare(rows, raw, target_state)
+            loss, per = loss_fn(trainable, frozen, rows, jax.random.key(0))
+            return {"loss": loss, "per": per}
+
+        self._train_step = jax.jit(train_step, donate_argnums=(0, 1))
+        self._eval_step = jax.jit(eval_step)
+
+    def train_one(self) -> dict:
+        host, gb = self.host_rows(self.step)
+        rows, raw = self.device_rows(host, gb)
+        lr = float(self.sched(self.step))
+        self.trainable, self.opt_state, m = self._train_step(
+            self.trainable, self.opt_state, self.frozen, rows, raw, self.target_state, jnp.int32(self.step))
+        self.step += 1
+        per = np.asarray(m["per"])  # [D, 3] count, kl, hits
+        rec = {"step": self.step, "loss": float(m["loss"]), "lr": lr, "grad_norm": float(m["grad_norm"])}
+        rec["acc"] = [float(h / c) if c else None for c, _, h in per]
+        rec["kl"] = [float(k / c) if c else None for c, k, _ in per]
+        rec["count"] = [int(c) for c, _, _ in per]
+        tok = float(np.sum(host["doc"] >= 0)) * jax.process_count()
+        rec["tokens"] = tok
+        rec["positions"] = tok + (float(host["chain_valid"].sum()) * jax.process_count() if "chain_valid" in host else 0.0)
+        return rec
+
+    def evaluate(self, batches: int) -> dict:
+        tot, per = [], None
+        for i in range(batches):
+            host, gb = self.host_rows(i, split="val")
+            rows, raw = self.device_rows(host, gb)
+            m = self._eval_step(self.trainable, self.frozen, rows, raw, self.target_state)
+            tot.append(float(m["loss"]))
+            p = np.asarray(m["per"])
+            per = p if per is None else per + p
+        return {"val_loss": float(np.mean(tot)), "val_acc": [float(h / c) if c else None for c, _, h in per]}
+
+    def run(self) -> list[dict]:
+        cfg = self.cfg
+        last = cfg.optim.total_steps if cfg.max_steps is None else min(cfg.max_steps, cfg.optim.total_steps)
+        records = []
+        bar = None
+        if cfg.progress and jax.process_index() == 0:
+            from tqdm import tqdm
+
+            bar = tqdm(total=last, initial=self.step, desc="train", dynamic_ncols=True)
+        mpath = self.run_dir / "metrics.jsonl"
+        while self.step < last:
+            t0 = time.time()
+            rec = self.train_one()
+            dt = time.time() - t0
+            rec["step_time"] = dt
+            rec["tokens_per_s"] = rec["tokens"] / dt
+            rec["positions_per_s"] = rec["positions"] / dt
+            if cfg.eval_every and self.step % cfg.eval_every == 0:
+                rec.update(self.evaluate(cfg.eval_batches))
+            records.append(rec)
+            if jax.process_index() == 0 and self.step % cfg.log_every == 0:
+                with open(mpath, "a") as fh:
+                    fh.write(json.dumps(rec) + "\n")
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec['acc'][0] or 0:.2f}",
+                                tok_s=f"{rec['tokens_per_s']:.0f}")
+            if self.step % cfg.checkpoint_every == 0 or self.step == last:
+                self.save()
+        if bar is not None:
+            bar.close()
+        return records
+
+    def drafter(self):
+        return export_drafter(self.graphdef, self.trainable, self.frozen)
+
+
+def main(argv=None):
+    cfg = config_from_argv(sys.argv[1:] if argv is None else argv)
+    Trainer(cfg).run()
+
+
+if __name__ == "__main__":
+    main()
