@@ -1,0 +1,99 @@
+"""Write `manifest.json` beside an exported head: how it was made and how good it is.
+
+    python -m train.manifest --run_dir /work/runs/peagle_smollm2 --head assets/heads/smollm2-135m-peagle \
+        --command "python -m train.train --config configs/train/peagle_smollm2.yaml ..." [--val_batches 8]
+
+Records the exact command and resolved config, data sources and token counts, steps, wall
+time (sum of step times), final training loss, per-depth held-out accuracy (the training
+objective on the validation split), and the sha256 and size of every file in the head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def training_summary(run_dir: Path) -> dict:
+    recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    if not recs:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no records: nothing was trained")
+    last = recs[-10:]
+    acc = np.array([[a if a is not None else np.nan for a in r["acc"]] for r in last], dtype=float)
+    return {
+        "steps": int(recs[-1]["step"]),
+        "wall_time_s": round(float(sum(r.get("step_time", 0.0) for r in recs)), 1),
+        "tokens_seen": int(sum(r.get("tokens", 0) for r in recs)),
+        "final_loss": round(float(np.mean([r["loss"] for r in last])), 4),
+        "final_train_acc_per_depth": [None if np.isnan(a) else round(float(a), 4) for a in np.nanmean(acc, axis=0)],
+        "final_lr": recs[-1].get("lr"),
+    }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m train.manifest", description=__doc__.splitlines()[0])
+    ap.add_argument("--run_dir", required=True)
+    ap.add_argument("--head", required=True, help="the exported head directory (manifest.json goes there)")
+    ap.add_argument("--command", required=True, help="the exact training command line")
+    ap.add_argument("--val_batches", type=int, default=8)
+    ap.add_argument("--extra", default=None, help="JSON file merged into the manifest (e.g. acceptance results)")
+    a = ap.parse_args(argv)
+
+    from train.config import TrainConfig
+    from train.train import Trainer
+
+    run_dir, head = Path(a.run_dir), Path(a.head)
+    cfg = TrainConfig.model_validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    trainer = Trainer(cfg, log=lambda *_: None)  # restores the latest checkpoint
+    held_out = trainer.evaluate(a.val_batches)
+    stores = getattr(trainer, "stores", {})
+    data = {
+        "source": cfg.data.source,
+        "features_dir": cfg.data.features_dir,
+        "train_documents": len(stores["train"]) if "train" in stores else None,
+        "train_tokens": int(sum(stores["train"].lengths())) if "train" in stores else None,
+        "val_documents": len(stores["val"]) if "val" in stores else None,
+        "val_tokens": int(sum(stores["val"].lengths())) if "val" in stores else None,
+    }
+    if cfg.data.source == "selfdistill":
+        data["description"] = ("HumanEval-style prompts cut from the Python standard library (function signature "
+                               "+ docstring, whole files held out for validation), answered by the target itself "
+                               "(greedy, chat template): self-distillation")
+    manifest = {
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "method": cfg.objective.method,
+        "target": str(cfg.model.target),
+        "drafter": {"num_layers": cfg.drafter.num_layers, "draft_vocab_size": int(trainer.draft_ids.shape[0]),
+                    "num_depths": cfg.objective.num_depths, "mask_token_id": cfg.drafter.mask_token_id,
+                    "train_embed": cfg.drafter.train_embed},
+        "command": a.command,
+        "config": cfg.model_dump(),
+        "data": data,
+        "training": training_summary(run_dir),
+        "held_out": {"val_batches": a.val_batches, "val_loss": round(held_out["val_loss"], 4),
+                     "val_acc_per_depth": [None if x is None else round(x, 4) for x in held_out["val_acc"]]},
+        "files": {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+                  for p in sorted(head.rglob("*")) if p.is_file() and p.name != "manifest.json"},
+    }
+    if a.extra:
+        manifest.update(json.loads(Path(a.extra).read_text()))
+    (head / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    print(json.dumps({k: manifest[k] for k in ("method", "training", "held_out")}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
