@@ -116,3 +116,14 @@ def resolve_model_path(spec: str | os.PathLike | None) -> Path:
     if path.suffix.lower() != ".gguf":
         raise ValueError(f"Model file {str(path)!r} is not a .gguf file")
     return path
+
+
+#: The trained heads shipped for the default model, in the repository's assets folder.
+DEFAULT_HEADS = {"peagle": "smollm2-135m-peagle", "eagle3": "smollm2-135m-eagle3"}
+
+
+def default_drafter_path(method: str = "peagle") -> Path | None:
+    """The shipped head for the default model (None if this checkout has none)."""
+    root = Path(__file__).resolve().parents[2] / "assets" / "heads"
+    path = root / DEFAULT_HEADS[method]
+    return path if (path / "config.json").is_file() else None

@@ -16,7 +16,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m peagle_jax.generate", description=__doc__.splitlines()[0])
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     p.add_argument("--model", default=None, help="a .gguf file or an HF directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", default=None, help="draft head directory (AWS/EAGLE-3 or speculators layout)")
+    p.add_argument("--drafter", default=None,
+                   help="draft head directory (AWS/EAGLE-3 or speculators layout); default model: the shipped head")
     p.add_argument("--method", choices=("none", "eagle3", "peagle"), default=None,
                    help="default: peagle for a parallel-drafting head, eagle3 for a sequential one, none without --drafter")
     p.add_argument("-k", "--num-draft-tokens", type=int, default=5)
@@ -64,6 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(model_path)
     drafter = None
     method = args.method or "none"
+    if args.drafter is None and args.model in (None, "default") and args.method in (None, "peagle", "eagle3"):
+        # The default model ships with trained heads: use them unless told otherwise.
+        from peagle_jax.checkpoints.default_model import default_drafter_path
+
+        shipped = default_drafter_path(args.method or "peagle")
+        if shipped is not None:
+            args.drafter = str(shipped)
+            print(f"using the shipped draft head {shipped.name} (--method none to decode without it)", file=sys.stderr)
     if args.drafter:
         from peagle_jax.checkpoints.drafter_io import load_drafter
 

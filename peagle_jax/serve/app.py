@@ -102,8 +102,11 @@ def load_models(config: ServeConfig) -> LoadedModels:
     if spec is not None and spec.lower() == "none":
         spec = None
     elif spec is None and is_default and config.method != "none":
-        if Path(DEFAULT_DRAFTER).joinpath("config.json").is_file():
-            spec = DEFAULT_DRAFTER
+        from peagle_jax.checkpoints.default_model import default_drafter_path
+
+        shipped = default_drafter_path("peagle")
+        if shipped is not None:
+            spec = str(shipped)
         else:
             log.warning(
                 "no trained P-EAGLE head at %s: serving %s WITHOUT speculative decoding (method none). "
