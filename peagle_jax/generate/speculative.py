@@ -25,6 +25,7 @@ class GenerationResult:
     rounds: np.ndarray  # [B] target forwards after prefill
     accepted_per_position: np.ndarray  # [K] rounds in which draft position i was accepted
     num_draft_tokens: int
+    accepted_per_sequence: np.ndarray | None = None  # [B, K] the same counts per sequence
 
     @property
     def total_rounds(self) -> int:
@@ -138,4 +139,5 @@ def speculative_generate(
         rounds=np.asarray(rounds),
         accepted_per_position=np.asarray(hist).sum(axis=0),
         num_draft_tokens=k,
+        accepted_per_sequence=np.asarray(hist),
     )
