@@ -1,4 +1,4 @@
-"""Accuracy cost of FP8 on SmolLM2-135M-Instruct: FP8 KV cache and FP8 (e4m3) linear weights.
+"""Accuracy cost of bf16 and FP8 on SmolLM2-135M-Instruct: FP8 KV cache, FP8 (e4m3) linear weights.
 
 Reports, against the fp32 model: max / mean absolute logit error over real prompts, top-1
 agreement of next-token predictions, greedy continuation agreement (tokens until the first
@@ -48,7 +48,7 @@ def main() -> None:
         prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
 
     def variant(name):
-        m = load_target(path)
+        m = load_target(path, dtype="bfloat16" if name == "bf16" else "float32")
         if name in ("fp8_kv", "fp8_kv+fp8_weights"):
             configure_inference(m, kv_cache_dtype="float8_e4m3fn")
         if name in ("fp8_weights", "fp8_kv+fp8_weights"):
@@ -66,7 +66,7 @@ def main() -> None:
     base_logits = [full_logits(base, s) for s in seqs]
     head = None
     rows = []
-    for name in ("fp32", "fp8_kv", "fp8_weights", "fp8_kv+fp8_weights"):
+    for name in ("fp32", "bf16", "fp8_kv", "fp8_weights", "fp8_kv+fp8_weights"):
         m = base if name == "fp32" else variant(name)
         errs, agree = [], []
         for s, bl in zip(seqs, base_logits):
