@@ -71,8 +71,9 @@ def main(argv=None) -> None:
     target, tok = load_target(path), load_tokenizer(path)
     eos = eos_token_ids(tok, path)
     heads = {"peagle": load_drafter(a.peagle_head, target=target), "eagle3": load_drafter(a.eagle3_head, target=target)}
-    sets = {"HumanEval (164)": load_prompts("humaneval", limit=a.limit),
-            "MT-Bench coding (10)": load_prompts("mtbench", category="coding", limit=a.limit)}
+    humaneval = load_prompts("humaneval", limit=a.limit)
+    coding = load_prompts("mtbench", category="coding", limit=a.limit)
+    sets = {f"HumanEval ({len(humaneval)})": humaneval, f"MT-Bench coding ({len(coding)})": coding}
     # One prompt list and one prompt bucket for everything: each (method, K) compiles once.
     names = [name for name, items in sets.items() for _ in items]
     prompts = [encode_prompt(tok, it) for items in sets.values() for it in items]
