@@ -102,3 +102,16 @@ def combine_splits(o, m, l, out_dtype):
     o_tot = jnp.sum(w[..., None] * o, axis=-3)
     l_tot = jnp.where(l_tot > 0, l_tot, 1.0)
     return (o_tot / l_tot[..., None]).astype(out_dtype)
+
+
+TARGET_PROGRAMS = 264  # ~2 waves on a 132-SM H100/H200
+MIN_KEYS_PER_SPLIT = 256
+
+
+def choose_num_splits(b: int, kvh: int, n_qblocks: int, s: int) -> int:
+    """Split the key range when (batch x kv head x query block) programs underfill the GPU."""
+    programs = b * kvh * n_qblocks
+    if programs >= TARGET_PROGRAMS // 2:
+        return 1
+    want = -(-TARGET_PROGRAMS // programs)
+    return int(max(1, min(want, s // MIN_KEYS_PER_SPLIT)))

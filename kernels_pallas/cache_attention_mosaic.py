@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas._common import (
+    choose_num_splits,
     combine_splits,
     default_sm_scale,
     heads_to_rows,
@@ -48,8 +49,6 @@ from kernels_pallas._common import (
 BLOCK_M = 64  # wgmma M per warpgroup
 _NEG_INIT = -1e30
 _LOG2E = math.log2(math.e)
-_TARGET_PROGRAMS = 264
-_MIN_KEYS_PER_SPLIT = 256
 
 SUPPORTED_Q_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_KV_DTYPES = SUPPORTED_Q_DTYPES + (jnp.dtype(jnp.float8_e4m3fn),)
@@ -266,14 +265,6 @@ def _kernel(
         plgpu.copy_smem_to_gmem(ml_smem.at[0], m_out.at[b, h, sp, rows])
         plgpu.copy_smem_to_gmem(ml_smem.at[1], l_out.at[b, h, sp, rows])
     plgpu.wait_smem_to_gmem(0)
-
-
-def choose_num_splits(b: int, kvh: int, n_qblocks: int, s: int) -> int:
-    programs = b * kvh * n_qblocks
-    if programs >= _TARGET_PROGRAMS // 2:
-        return 1
-    want = -(-_TARGET_PROGRAMS // programs)
-    return int(max(1, min(want, s // _MIN_KEYS_PER_SPLIT)))
 
 
 def cache_attention_mosaic(

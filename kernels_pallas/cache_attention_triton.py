@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas._common import (
+    choose_num_splits,
     combine_splits,
     default_sm_scale,
     heads_to_rows,
@@ -48,8 +49,6 @@ from kernels_pallas._common import (
 )
 
 _NEG_INIT = -1e30  # finite running-max init: fully masked blocks never produce NaN
-_TARGET_PROGRAMS = 264  # ~2 waves on a 132-SM H100/H200
-_MIN_KEYS_PER_SPLIT = 256
 
 
 def _kernel(
@@ -147,15 +146,6 @@ def supports(q_dtype, kv_dtype, head_dim: int) -> str | None:
         if not jnp.issubdtype(jnp.dtype(dt), jnp.floating):
             return f"{name} dtype {jnp.dtype(dt)}"
     return None
-
-
-def choose_num_splits(b: int, kvh: int, n_qblocks: int, s: int) -> int:
-    """Split the key range when (batch x kv head x query block) programs underfill the GPU."""
-    programs = b * kvh * n_qblocks
-    if programs >= _TARGET_PROGRAMS // 2:
-        return 1
-    want = -(-_TARGET_PROGRAMS // programs)
-    return int(max(1, min(want, s // _MIN_KEYS_PER_SPLIT)))
 
 
 def cache_attention_triton(
