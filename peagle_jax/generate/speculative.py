@@ -51,6 +51,13 @@ def prompt_bucket(length: int, minimum: int = 16) -> int:
     return b
 
 
+def merge_models(target_def, target_state, drafter_def, drafter_state):
+    """Rebuild (target, drafter) inside a jitted function from split graph definitions and state."""
+    target = nnx.merge(target_def, target_state)
+    drafter = nnx.merge(drafter_def, drafter_state) if drafter_def is not None else None
+    return target, drafter
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("target_def", "drafter_def", "method", "num_draft", "greedy", "capacity", "out_size"),
@@ -59,8 +66,7 @@ def _generate_jit(
     target_state, drafter_state, tokens, prompt_lens, max_new, sp, eos_ids, key,
     *, target_def, drafter_def, method, num_draft, greedy, capacity, out_size,
 ):
-    target = nnx.merge(target_def, target_state)
-    drafter = nnx.merge(drafter_def, drafter_state) if drafter_def is not None else None
+    target, drafter = merge_models(target_def, target_state, drafter_def, drafter_state)
     state = prefill(
         target, drafter, tokens, prompt_lens, method=method, num_draft=num_draft, greedy=greedy,
         capacity=capacity, out_size=out_size, max_new=max_new, sp=sp, eos_ids=eos_ids, key=key,

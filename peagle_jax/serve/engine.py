@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from peagle_jax.drafters.eagle3 import Eagle3Drafter
-from peagle_jax.generate.speculative import prompt_bucket
+from peagle_jax.generate.speculative import merge_models, prompt_bucket
 from peagle_jax.generate.steps import (
     METHODS, SamplingParams, SpecState, finish_sequences, insert_sequences, prefill, spec_round,
 )
@@ -115,8 +115,7 @@ def _keys_from_seeds(seeds):
 )
 def _prefill_jit(target_state, drafter_state, tokens, lens, max_new, sp, eos_ids, key,
                  *, target_def, drafter_def, method, num_draft, greedy, capacity, out_size):
-    target = nnx.merge(target_def, target_state)
-    drafter = nnx.merge(drafter_def, drafter_state) if drafter_def is not None else None
+    target, drafter = merge_models(target_def, target_state, drafter_def, drafter_state)
     return prefill(target, drafter, tokens, lens, method=method, num_draft=num_draft, greedy=greedy,
                    capacity=capacity, out_size=out_size, max_new=max_new, sp=sp, eos_ids=eos_ids, key=key)
 
@@ -126,8 +125,7 @@ def _prefill_jit(target_state, drafter_state, tokens, lens, max_new, sp, eos_ids
 )
 def _round_jit(target_state, drafter_state, state, *, target_def, drafter_def, method, num_draft, greedy):
     """One round; also returns what the host needs: the new tokens of each row and stats."""
-    target = nnx.merge(target_def, target_state)
-    drafter = nnx.merge(drafter_def, drafter_state) if drafter_def is not None else None
+    target, drafter = merge_models(target_def, target_state, drafter_def, drafter_state)
     prev_len, prev_hist = state.out_len, state.accepted_per_pos
     new = spec_round(target, drafter, state, method=method, num_draft=num_draft, greedy=greedy)
     idx = prev_len[:, None] + jnp.arange(num_draft + 1)[None, :]
