@@ -67,3 +67,56 @@ def test_chat_loss_mask_covers_assistant_only():
     learned = tok.decode(d.tokens[d.loss_mask.astype(bool)])
     assert "return a + b" in learned and "welcome" in learned
     assert "Add two" not in learned and "Thanks" not in learned and "user" not in learned
+
+
+def test_code_window_per_file_spreads_budget():
+    from train.data import code_docs, is_test_file
+
+    class Tok:  # one token per character: windows are easy to check against the file text
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(c) % 50000 for c in text]}
+
+    whole = code_docs(Tok(), split="train", val_percent=2.0, max_docs=30, eos_id=None, skip_tests=True)
+    cut = code_docs(Tok(), split="train", val_percent=2.0, max_docs=30, eos_id=None, tokens_per_file=64,
+                    skip_tests=True)
+    assert [d.name for d in whole] == [d.name for d in cut]
+    assert not any(is_test_file(d.name) for d in cut)
+    for w, c in zip(whole, cut):
+        assert len(c.tokens) == min(64, len(w.tokens))
+        # the window is a contiguous slice of the file, at an offset fixed by the name
+        s = "".join(map(chr, w.tokens)).find("".join(map(chr, c.tokens)))
+        assert s >= 0
+    assert is_test_file("test/test_os.py") and is_test_file("idlelib/idle_test/x.py")
+    assert is_test_file("test_foo.py") and not is_test_file("json/decoder.py")
+
+
+def test_concat_store_reads_several_feature_folders(tmp_path):
+    from train.config import load_config
+    from train.features import ConcatStore, FeatureStore, _write_shard, open_train_store
+
+    def folder(name, lengths, target="t"):
+        root = tmp_path / name
+        root.mkdir()
+        rng = np.random.default_rng(len(name))
+        docs = [Doc(rng.integers(0, 9, n).astype(np.int32), np.ones(n, np.uint8), f"{name}{i}") for i, n in enumerate(lengths)]
+        aux = [rng.normal(size=(n, 6)) for n in lengths]
+        hid = [rng.normal(size=(n, 2)) for n in lengths]
+        shard = _write_shard(root, 0, 0, docs, aux, hid, "float32")
+        (root / "meta.json").write_text(__import__("json").dumps(
+            {"complete": True, "num_docs": len(docs), "shards": [shard], "dtype": "float32",
+             "aux_dim": 6, "hidden_dim": 2, "target": target}))
+        return root, docs
+
+    a, da = folder("a", [5, 7])
+    b, db = folder("bb", [3])
+    cfg = load_config(None, {"run_dir": str(tmp_path / "r"), "data": {"extra_train_features": [str(b)]}})
+    st = open_train_store(cfg, a)
+    assert isinstance(st, ConcatStore) and len(st) == 3 and st.lengths() == [5, 7, 3]
+    np.testing.assert_array_equal(st.get(2)[0], db[0].tokens)
+    np.testing.assert_array_equal(st.get(1)[0], da[1].tokens)
+    c, _ = folder("c", [4], target="other")
+    with pytest.raises(ValueError, match="different targets"):
+        ConcatStore([FeatureStore(a), FeatureStore(c)])
+    bad = load_config(None, {"run_dir": str(tmp_path / "r"), "data": {"extra_train_features": [str(tmp_path / "nope")]}})
+    with pytest.raises(FileNotFoundError, match="extra_train_features"):
+        open_train_store(bad, a)

@@ -41,6 +41,13 @@ class DataSection(_Frozen):
     feature_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
     shard_tokens: int = 65536
     extract_batch: int = 4
+    # code source: one window of at most this many tokens per file (None = whole files), and
+    # whether to leave out the stdlib's own test suites.
+    code_tokens_per_file: int | None = None
+    code_skip_tests: bool = False
+    # Further precomputed training shards (other features_dir/train folders of the same target)
+    # read together with this config's own, e.g. corpus features beside self-distilled ones.
+    extra_train_features: list[str] = []
     noise_std: float = 0.0  # uniform noise U(-a, a) added to the taps (speculators: 0.05)
     # Self-distillation
     sd_max_prompts: int = 2000

@@ -94,10 +94,22 @@ def chat_tokens(tokenizer, messages: Sequence[dict]) -> Doc:
     return Doc(ids, mask)
 
 
-def code_docs(tokenizer, *, split: str, val_percent: float, max_docs: int | None, eos_id: int | None) -> list[Doc]:
+def is_test_file(rel: str) -> bool:
+    """The stdlib's own test suites (test/, */tests/, idle_test/): a different register from library code."""
+    parts = rel.split("/")
+    return any(p in ("test", "tests", "idle_test") for p in parts[:-1]) or parts[-1].startswith("test_")
+
+
+def code_docs(tokenizer, *, split: str, val_percent: float, max_docs: int | None, eos_id: int | None,
+              tokens_per_file: int | None = None, skip_tests: bool = False) -> list[Doc]:
+    """stdlib .py files as documents. `tokens_per_file` keeps one window per file (at an offset
+    fixed by the file name's hash) so a token budget spreads over many modules instead of the
+    first few files in alphabetical order."""
     docs = []
     for rel, path in stdlib_files():
         if is_validation(rel, val_percent) != (split == "val"):
+            continue
+        if skip_tests and is_test_file(rel):
             continue
         try:
             text = path.read_text(encoding="utf-8")
@@ -108,6 +120,9 @@ def code_docs(tokenizer, *, split: str, val_percent: float, max_docs: int | None
         ids = encode_text(tokenizer, text)
         if eos_id is not None:
             ids = np.append(ids, np.int32(eos_id))
+        if tokens_per_file and len(ids) > tokens_per_file:
+            start = zlib.crc32(rel.encode()) % (len(ids) - tokens_per_file + 1)
+            ids = ids[start : start + tokens_per_file]
         docs.append(Doc(ids, np.ones(len(ids), np.uint8), rel))
         if max_docs and len(docs) >= max_docs:
             break

@@ -18,6 +18,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -76,7 +77,8 @@ def load_documents(cfg: TrainConfig, split: str, target, tokenizer, eos_ids, log
     limit = d.max_docs if split == "train" else max(8, (d.max_docs or 10**9) // 20)
     if d.source == "code":
         docs = code_docs(tokenizer, split=split, val_percent=d.val_percent, max_docs=limit,
-                         eos_id=eos_ids[-1] if eos_ids else None)
+                         eos_id=eos_ids[-1] if eos_ids else None, tokens_per_file=d.code_tokens_per_file,
+                         skip_tests=d.code_skip_tests)
     elif d.source == "chat":
         if not d.chat_path:
             raise ValueError("data.source=chat needs data.chat_path")
@@ -163,6 +165,44 @@ class FeatureStore:
         if not with_features:
             return t, m, None, None
         return t, m, self._cast(a["aux"][off : off + ln]), self._cast(a["hidden"][off : off + ln])
+
+
+class ConcatStore:
+    """Several FeatureStores of one target read as one (document indices run through them in order)."""
+
+    def __init__(self, stores: Sequence[FeatureStore]):
+        first = stores[0].meta
+        for st in stores[1:]:
+            for key in ("aux_dim", "hidden_dim", "target"):
+                if st.meta.get(key) != first.get(key):
+                    raise ValueError(f"feature shards {st.root} have {key}={st.meta.get(key)!r} but "
+                                     f"{stores[0].root} has {first.get(key)!r}; they come from different targets")
+        self.stores = list(stores)
+        self.meta = first
+        self.index = [(k, i) for k, st in enumerate(self.stores) for i in range(len(st))]
+
+    def __len__(self):
+        return len(self.index)
+
+    def lengths(self) -> list[int]:
+        return [n for st in self.stores for n in st.lengths()]
+
+    def get(self, i: int, with_features: bool = True):
+        k, j = self.index[i]
+        return self.stores[k].get(j, with_features)
+
+
+def open_train_store(cfg: TrainConfig, own: Path) -> FeatureStore | ConcatStore:
+    """This config's training shards plus any `data.extra_train_features` folders."""
+    extra = []
+    for p in cfg.data.extra_train_features:
+        root = Path(p)
+        if not (root / "meta.json").exists() or not json.loads((root / "meta.json").read_text()).get("complete"):
+            raise FileNotFoundError(f"data.extra_train_features: {root} holds no complete feature shards "
+                                    "(run python -m train.features with that features_dir first)")
+        extra.append(FeatureStore(root))
+    own_store = FeatureStore(own)
+    return ConcatStore([own_store] + extra) if extra else own_store
 
 
 def _write_shard(root: Path, idx: int, first_doc: int, docs: list[Doc], aux: list, hid: list, dtype: str):

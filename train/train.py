@@ -47,7 +47,7 @@ from peagle_jax.drafters import DrafterConfig, create_drafter
 from train.cod import cod_sample
 from train.config import TrainConfig, config_from_argv
 from train.data import PackPlan, pack_row
-from train.features import FeatureStore, ensure_features, load_documents, load_target_and_tokenizer
+from train.features import FeatureStore, ensure_features, open_train_store, load_documents, load_target_and_tokenizer
 from train.objective import Rows, eagle3_loss, peagle_loss
 from train.vocab import draft_ids_from_counts, token_counts, vocab_maps
 
@@ -192,7 +192,7 @@ class Trainer:
             pairs = ((d.tokens, d.loss_mask) for d in self.docs["train"])
         else:
             paths = ensure_features(cfg, self.target, self.tokenizer, self.eos_ids, log=log)
-            self.stores = {s: FeatureStore(p) for s, p in paths.items()}
+            self.stores = {"train": open_train_store(cfg, paths["train"]), "val": FeatureStore(paths["val"])}
             st = self.stores["train"]
             lengths = st.lengths()
             pairs = (st.get(i, with_features=False)[:2] for i in range(len(st)))
