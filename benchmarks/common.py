@@ -217,6 +217,25 @@ def pyplot():
     return plt
 
 
+def plot_acceptance(ax, rows: Sequence[dict[str, Any]], label, title: str) -> None:
+    """Per-position acceptance curves (one per result row) on `ax`; `label(row)` names a curve."""
+    for r in rows:
+        a = r["acceptance_per_position"]
+        ax.plot(range(1, len(a) + 1), a, marker="o", label=label(r))
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+
+
+def save_figure(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+
+
 def machine_md(info: dict[str, Any]) -> str:
     keys = ("platform", "cpu_count", "cpu_affinity", "jax_version", "jax_backend", "jax_device_kind", "jax_devices",
             "torch_version", "transformers_version", "date")

@@ -352,28 +352,18 @@ def _plots(summary: dict[str, Any], out: Path) -> None:
         ax.set_title(f"{ds}{tag}")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "offline_throughput.png", dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, out / "offline_throughput.png")
 
     fig, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4.5), squeeze=False)
     for ax, ds in zip(axes[0], datasets):
         # Acceptance does not depend on the batch size under greedy decoding: use the smallest B.
         spec = [r for r in rows if r["dataset"] == ds and r.get("acceptance_per_position")]
         bmin = min((r["batch_size"] for r in spec), default=1)
-        for r in sorted((r for r in spec if r["batch_size"] == bmin), key=lambda r: (r["method"], r["k"])):
-            a = r["acceptance_per_position"]
-            ax.plot(range(1, len(a) + 1), a, marker="o",
-                    label=f"{r['method']} K={r['k']} (AL {r['mean_acceptance_length']:.2f})")
-        ax.set_xlabel("draft position")
-        ax.set_ylabel("acceptance rate")
-        ax.set_ylim(0, 1.02)
-        ax.set_title(f"{ds}: per-position acceptance (B={bmin}){tag}")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "offline_acceptance.png", dpi=110)
-    plt.close(fig)
+        common.plot_acceptance(
+            ax, sorted((r for r in spec if r["batch_size"] == bmin), key=lambda r: (r["method"], r["k"])),
+            lambda r: f"{r['method']} K={r['k']} (AL {r['mean_acceptance_length']:.2f})",
+            f"{ds}: per-position acceptance (B={bmin}){tag}")
+    common.save_figure(fig, out / "offline_acceptance.png")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

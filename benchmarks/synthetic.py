@@ -224,26 +224,15 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
     ax.set_title(f"SYNTHETIC: {m['shape']} ({m['config']['num_hidden_layers']} layers), oracle drafter", fontsize=9)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "synthetic_throughput.png", dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, out / "synthetic_throughput.png")
 
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     bmin = min(r["batch_size"] for r in rows)
-    for r in rows:
-        if r["batch_size"] == bmin and r.get("acceptance_per_position"):
-            a = r["acceptance_per_position"]
-            ax.plot(range(1, len(a) + 1), a, marker="o", label=f"K={r['k']} w={r['wrong_every']} "
-                                                               f"(AL {r['mean_acceptance_length']:.2f})")
-    ax.set_xlabel("draft position")
-    ax.set_ylabel("acceptance rate")
-    ax.set_ylim(0, 1.02)
-    ax.set_title("SYNTHETIC per-position acceptance (oracle pattern)", fontsize=9)
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "synthetic_acceptance.png", dpi=110)
-    plt.close(fig)
+    common.plot_acceptance(
+        ax, [r for r in rows if r["batch_size"] == bmin and r.get("acceptance_per_position")],
+        lambda r: f"K={r['k']} w={r['wrong_every']} (AL {r['mean_acceptance_length']:.2f})",
+        "SYNTHETIC per-position acceptance (oracle pattern)")
+    common.save_figure(fig, out / "synthetic_acceptance.png")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
