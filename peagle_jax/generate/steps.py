@@ -85,6 +85,30 @@ class SpecState(NamedTuple):
 # --------------------------------------------------------------------------- drafting
 
 
+class Pending(NamedTuple):
+    """The rows the next draft step feeds to the drafter (see the module docstring)."""
+
+    tokens: Int[Array, "B W"]
+    feats: Float[Array, "B W H"]
+    count: Int[Array, "B"]  # C valid rows per sequence
+    base: Int[Array, "B"]  # position of row 0 (n_b - C)
+
+    @classmethod
+    def of(cls, state: SpecState) -> "Pending":
+        n = state.target_cache.lengths
+        return cls(state.pending_tokens, state.pending_feats, state.num_pending, n - state.num_pending)
+
+
+class DraftSettings(NamedTuple):
+    """What every draft step needs besides the drafter, its cache and the pending rows."""
+
+    num_draft: int
+    key: jax.Array
+    sampling: SamplingParams
+    greedy: bool
+    vocab: int  # target vocabulary size (q is scattered to it when sampling)
+
+
 def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
     pad = rows - x.shape[1]
     if pad <= 0:
@@ -108,70 +132,52 @@ def _draft_tokens_from_logits(
 
 
 def draft_parallel(
-    drafter: Eagle3Drafter,
-    cache: KVCache,
-    pending_tokens: Int[Array, "B W"],
-    pending_feats: Float[Array, "B W H"],
-    num_pending: Int[Array, "B"],
-    base_pos: Int[Array, "B"],
-    num_draft: int,
-    key: jax.Array,
-    sp: SamplingParams,
-    *,
-    greedy: bool,
-    vocab: int,
+    drafter: Eagle3Drafter, cache: KVCache, pending: Pending, ds: DraftSettings
 ) -> tuple[Int[Array, "B K"], Float[Array, "B K V"] | None, KVCache]:
     """P-EAGLE: K drafts from ONE forward over [pending | K-1 mask slots]."""
     cfg = drafter.config
-    w = pending_tokens.shape[1]
-    rows = w + num_draft - 1
+    k = ds.num_draft
+    rows = pending.tokens.shape[1] + k - 1
     j = jnp.arange(rows)[None, :]
-    c = num_pending[:, None]
+    c = pending.count[:, None]
     is_pending = j < c
-    tokens = jnp.where(is_pending, _pad_rows(pending_tokens, rows), cfg.mask_token_id)
-    mask_feat = drafter.mask_feature().astype(pending_feats.dtype)
-    feats = jnp.where(is_pending[..., None], _pad_rows(pending_feats, rows), mask_feat)
-    positions = base_pos[:, None] + j
-    logit_rows = c - 1 + jnp.arange(num_draft)[None, :]  # last pending row + K-1 mask rows
+    tokens = jnp.where(is_pending, _pad_rows(pending.tokens, rows), cfg.mask_token_id)
+    mask_feat = drafter.mask_feature().astype(pending.feats.dtype)
+    feats = jnp.where(is_pending[..., None], _pad_rows(pending.feats, rows), mask_feat)
+    positions = pending.base[:, None] + j
+    logit_rows = c - 1 + jnp.arange(k)[None, :]  # last pending row + K-1 mask rows
     out = drafter(tokens, feats, positions, cache, logit_rows=logit_rows)
-    drafts, q = _draft_tokens_from_logits(drafter, out.logits, key, sp, greedy, vocab)
+    drafts, q = _draft_tokens_from_logits(drafter, out.logits, ds.key, ds.sampling, ds.greedy, ds.vocab)
     return drafts, q, out.cache
 
 
 def draft_sequential(
-    drafter: Eagle3Drafter,
-    cache: KVCache,
-    pending_tokens: Int[Array, "B W"],
-    pending_feats: Float[Array, "B W H"],
-    num_pending: Int[Array, "B"],
-    base_pos: Int[Array, "B"],
-    num_draft: int,
-    key: jax.Array,
-    sp: SamplingParams,
-    *,
-    greedy: bool,
-    vocab: int,
+    drafter: Eagle3Drafter, cache: KVCache, pending: Pending, ds: DraftSettings
 ) -> tuple[Int[Array, "B K"], Float[Array, "B K V"] | None, KVCache]:
     """EAGLE-3: one forward over the pending rows, then K-1 single-row forwards."""
-    b, w = pending_tokens.shape
-    c = num_pending[:, None]
-    positions = base_pos[:, None] + jnp.arange(w)[None, :]
-    keys = sampling.split_keys(key, num_draft)
-    out = drafter(pending_tokens, pending_feats, positions, cache, logit_rows=c - 1)
-    tok, q = _draft_tokens_from_logits(drafter, out.logits, keys[0], sp, greedy, vocab)
+    b, w = pending.tokens.shape
+    c = pending.count[:, None]
+    positions = pending.base[:, None] + jnp.arange(w)[None, :]
+    keys = sampling.split_keys(ds.key, ds.num_draft)
+
+    def sample(logits, key):
+        return _draft_tokens_from_logits(drafter, logits, key, ds.sampling, ds.greedy, ds.vocab)
+
+    out = drafter(pending.tokens, pending.feats, positions, cache, logit_rows=c - 1)
+    tok, q = sample(out.logits, keys[0])
     hidden = jnp.take_along_axis(out.prenorm, (c - 1)[..., None], axis=1)  # [B, 1, H]
-    last_pos = base_pos + num_pending - 1
+    last_pos = pending.base + pending.count - 1
 
     def step(carry, i):
         cache, tok, hidden = carry
         o = drafter(tok, hidden, (last_pos + i)[:, None], cache, logit_rows=jnp.zeros((b, 1), jnp.int32))
-        nt, nq = _draft_tokens_from_logits(drafter, o.logits, keys[i], sp, greedy, vocab)
+        nt, nq = sample(o.logits, keys[i])
         return (o.cache, nt, o.prenorm), (nt[:, 0], None if nq is None else nq[:, 0])
 
     cache = out.cache
-    if num_draft == 1:
+    if ds.num_draft == 1:
         return tok, q, cache
-    (cache, _, _), (toks, qs) = jax.lax.scan(step, (cache, tok, hidden), jnp.arange(1, num_draft))
+    (cache, _, _), (toks, qs) = jax.lax.scan(step, (cache, tok, hidden), jnp.arange(1, ds.num_draft))
     drafts = jnp.concatenate([tok, toks.T], axis=1)
     probs = None if q is None else jnp.concatenate([q, jnp.moveaxis(qs, 0, 1)], axis=1)
     return drafts, probs, cache
@@ -251,15 +257,12 @@ def spec_round(
         emitted = nxt[:, None]
         dcache, pend_tok, pend_feat = state.drafter_cache, state.pending_tokens, state.pending_feats
     else:
-        base = n - state.num_pending
         if isinstance(drafter, ReferenceDrafter):
             drafts, q, dcache = drafter.propose(state.out_len, num_draft), None, state.drafter_cache
         else:
             draft_fn = draft_parallel if method == "peagle" else draft_sequential
-            drafts, q, dcache = draft_fn(
-                drafter, state.drafter_cache, state.pending_tokens, state.pending_feats, state.num_pending,
-                base, num_draft, k_draft, sp, greedy=greedy, vocab=vocab,
-            )
+            drafts, q, dcache = draft_fn(drafter, state.drafter_cache, Pending.of(state),
+                                         DraftSettings(num_draft, k_draft, sp, greedy, vocab))
         out = verify_forward(target, tcache, state.last_token, drafts, return_aux=True)
         if greedy:
             m, nxt = sampling.accept_greedy(drafts, out.logits)

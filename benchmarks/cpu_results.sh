@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The README's CPU results for SmolLM2-135M-Instruct with the shipped heads, one stage after
+# the other (stages need a quiet machine: run nothing else meanwhile).
+#
+#   bash benchmarks/cpu_results.sh [offline] [online] [acceptance]    (default: all three)
+#
+# Sizes are environment variables, e.g. LIMIT=164 MAX_NEW=128 for the whole HumanEval set:
+#   offline     LIMIT (prompts per dataset, 24)  MAX_NEW (128)  KS ("3 5 7")  BATCHES ("1 4")
+#   online      CONCURRENCY ("1 4 16")  REQUESTS (32)  TIME_LIMIT (60 s per level)  ONLINE_K (5)
+#   acceptance  ACC_LIMIT (all 164 HumanEval + the 10 MT-Bench coding questions)  ACC_MAX_NEW (64)
+# Results: results/offline, results/online, results/acceptance (JSON, Markdown, PNG).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+PEAGLE=${PEAGLE:-assets/heads/smollm2-135m-peagle}
+EAGLE3=${EAGLE3:-assets/heads/smollm2-135m-eagle3}
+STAGES=("$@")
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(offline online acceptance)
+
+offline() {
+  # shellcheck disable=SC2086
+  $PY benchmarks/offline.py --peagle-head "$PEAGLE" --eagle3-head "$EAGLE3" \
+    --dataset humaneval mtbench --limit "${LIMIT:-24}" --ks ${KS:-3 5 7} --batch-sizes ${BATCHES:-1 4} \
+    --max-new-tokens "${MAX_NEW:-128}" --hf-peer --torch-threads "$(nproc)" --out results/offline
+}
+
+online() {
+  local port=${PORT:-8765} k=${ONLINE_K:-5} conc=${CONCURRENCY:-1 4 16}
+  local maxc=${conc##* }
+  local fresh=--fresh
+  for spec in "none none" "eagle3 $EAGLE3" "peagle $PEAGLE"; do
+    set -- $spec
+    local method=$1 head=$2 label=$1
+    [ "$method" != none ] && label="$method-K$k"
+    $PY -m peagle_jax.serve --port "$port" --method "$method" --drafter "$head" -k "$k" \
+      --max-batch-size "$maxc" --max-model-len 1024 --log-level warning &
+    local pid=$!
+    # shellcheck disable=SC2064
+    trap "kill $pid 2>/dev/null || true" EXIT
+    for _ in $(seq 600); do
+      curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+      kill -0 "$pid" 2>/dev/null || { echo "server ($method) exited before it was ready" >&2; exit 1; }
+      sleep 1
+    done
+    # shellcheck disable=SC2086
+    $PY benchmarks/online.py --base-url "http://127.0.0.1:$port/v1" --label "$label" $fresh \
+      --concurrency $conc --requests "${REQUESTS:-32}" --time-limit "${TIME_LIMIT:-60}" \
+      --max-tokens "${MAX_NEW:-128}" --dataset humaneval --out results/online
+    fresh=
+    kill "$pid"; wait "$pid" 2>/dev/null || true
+    trap - EXIT
+  done
+}
+
+acceptance() {
+  local limit=()
+  [ -n "${ACC_LIMIT:-}" ] && limit=(--limit "$ACC_LIMIT")
+  $PY benchmarks/acceptance.py --peagle-head "$PEAGLE" --eagle3-head "$EAGLE3" --ks 3 5 7 \
+    --max-new-tokens "${ACC_MAX_NEW:-64}" "${limit[@]}"
+}
+
+for s in "${STAGES[@]}"; do
+  case "$s" in
+    offline|online|acceptance) echo "== $s ($(date -u +%H:%M:%S))"; "$s" ;;
+    *) echo "unknown stage $s (offline, online, acceptance)" >&2; exit 2 ;;
+  esac
+done
