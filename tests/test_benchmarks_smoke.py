@@ -128,3 +128,20 @@ def test_online_against_real_server(tmp_path):
         assert lvl["usage_reported"] and 0 < lvl["tokens_per_request"] <= 6
         assert _finite_positive(lvl["output_tok_s"]) and _finite_positive(lvl["ttft_p50"])
         assert lvl["ttft_p50"] <= lvl["latency_p50"]
+
+
+def test_round_cost_tiny(tmp_path):
+    from benchmarks import round_cost
+
+    out = tmp_path / "rc"
+    s = round_cost.main(["--target", "tiny", "--random-heads", "--ks", "2", "--batch-sizes", "1", "--context", "8",
+                         "--repeats", "2", "--at-al", "2", "--out", str(out)])
+    assert (out / "round_cost.md").stat().st_size > 0 and json.loads((out / "round_cost.json").read_text())
+    rows = s["results"]
+    assert {(r["method"], r["k"]) for r in rows} == {("none", 0), ("eagle3", 2), ("peagle", 2)}
+    for r in rows:
+        assert _finite_positive(r["ms_per_round"]) and _finite_positive(r["cost_vs_decode"])
+        if r["method"] != "none":
+            # speed-up at AL a is a / cost by definition
+            assert r["speedup_at_al"]["2.0"] == pytest.approx(2.0 / r["cost_vs_decode"])
+    _check_machine(s["machine"])

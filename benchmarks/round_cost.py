@@ -1,0 +1,161 @@
+"""Cost of one speculative round vs one plain decode step, and the break-even acceptance length.
+
+Speculation pays when  AL x t(decode step) > t(round)  (AL = tokens per target forward). This
+script times `spec_round` itself, jitted, on a prefilled state (same call repeated on the same
+input state, so every timing is one round at the same context length), for method none and
+each (method, K), and reports:
+  * ms per round and its cost relative to one decode step (= the break-even AL),
+  * the speed-up a round would give at a given AL (`--at-al`, e.g. your measured ones).
+It isolates the hardware question ("how expensive is a K+1-row verify here?") from the head
+question ("how many drafts are accepted?"). On CPU a K+1-row verify costs much more than one
+decode step (XLA:CPU's matrix-vector path is far faster than its small-M matrix multiply); on
+GPU the two are nearly equal, which is where the paper's speed-ups come from.
+
+  .venv/bin/python benchmarks/round_cost.py [--peagle-head DIR --eagle3-head DIR | --random-heads]
+      [--ks 3 5 7] [--batch-sizes 1 4] [--context 256] [--repeats 20] [--at-al 2 3]
+
+Writes results/round_cost/round_cost.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+
+from benchmarks import common
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="default", help="'default' (SmolLM2), a .gguf / HF dir, or 'tiny'")
+    ap.add_argument("--peagle-head", default=None)
+    ap.add_argument("--eagle3-head", default=None)
+    ap.add_argument("--random-heads", action="store_true", help="random-weight heads (costs only; no acceptance)")
+    ap.add_argument("--ks", type=int, nargs="+", default=[3, 5, 7])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--context", type=int, default=256, help="prompt tokens before the timed rounds")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--at-al", type=float, nargs="*", default=[2.0, 3.0], help="report speed-ups at these ALs")
+    ap.add_argument("--out", default="results/round_cost")
+    a = ap.parse_args(argv)
+    if a.context < 2 or a.repeats < 1 or any(k < 1 for k in a.ks) or any(b < 1 for b in a.batch_sizes):
+        ap.error("--context >= 2, --repeats >= 1, --ks >= 1 and --batch-sizes >= 1")
+    return a
+
+
+def _models(args):
+    from peagle_jax.checkpoints import load_target
+    from peagle_jax.checkpoints.default_model import resolve_model_path
+    from peagle_jax.checkpoints.drafter_io import load_drafter
+
+    if args.target == "tiny":
+        target = common.tiny_target(256, layers=2)
+    else:
+        target = load_target(resolve_model_path(args.target))
+    drafters = {}
+    for method, path in (("peagle", args.peagle_head), ("eagle3", args.eagle3_head)):
+        if path:
+            drafters[method] = load_drafter(path, target=target)
+        elif args.random_heads:
+            drafters[method] = common.random_drafter(target, parallel=method == "peagle", seed=1)
+    if not drafters:
+        raise SystemExit("give --peagle-head / --eagle3-head, or --random-heads")
+    return target, drafters
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(target_def, drafter_def, method: str, k: int, capacity: int):
+    import jax
+
+    from peagle_jax.generate.speculative import merge_models
+    from peagle_jax.generate.steps import prefill, spec_round
+
+    def init(ts, ds, tokens, lens, max_new, sp, eos, key):
+        target, drafter = merge_models(target_def, ts, drafter_def, ds)
+        return prefill(target, drafter, tokens, lens, method=method, num_draft=k, greedy=True, capacity=capacity,
+                       out_size=64, max_new=max_new, sp=sp, eos_ids=eos, key=key)
+
+    def one_round(ts, ds, state):
+        target, drafter = merge_models(target_def, ts, drafter_def, ds)
+        return spec_round(target, drafter, state, method=method, num_draft=k, greedy=True)
+
+    return jax.jit(init), jax.jit(one_round)
+
+
+def time_round(target, drafter, method: str, k: int, batch: int, context: int, repeats: int) -> float:
+    """Median seconds of one jitted `spec_round` at `context` committed tokens."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from peagle_jax.generate.steps import SamplingParams
+
+    target_def, ts = nnx.split(target)
+    drafter_def, ds = nnx.split(drafter) if drafter is not None else (None, None)
+    capacity = -(-(context + 64 + 2 * k + 2) // 64) * 64
+    init, one_round = _jitted(target_def, drafter_def, method, k, capacity)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(1, target.config.vocab_size, (batch, context)), jnp.int32)
+    state = init(ts, ds, tokens, jnp.full((batch,), context, jnp.int32), jnp.full((batch,), 64, jnp.int32),
+                 SamplingParams.full(batch), jnp.asarray([-1], jnp.int32), jax.random.split(jax.random.key(0), batch))
+    jax.block_until_ready(one_round(ts, ds, state))  # compile
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(one_round(ts, ds, state))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def run(args) -> dict[str, Any]:
+    target, drafters = _models(args)
+    rows = []
+    for b in args.batch_sizes:
+        base = time_round(target, None, "none", 0, b, args.context, args.repeats)
+        rows.append({"batch_size": b, "method": "none", "k": 0, "ms_per_round": 1000 * base, "cost_vs_decode": 1.0})
+        for method, drafter in drafters.items():
+            for k in args.ks:
+                t = time_round(target, drafter, method, k, b, args.context, args.repeats)
+                rows.append({"batch_size": b, "method": method, "k": k, "ms_per_round": 1000 * t,
+                             "cost_vs_decode": t / base,
+                             "speedup_at_al": {str(a): a * base / t for a in args.at_al if a <= k + 1}})
+                print(f"B={b} {method} K={k}: {1000 * t:.1f} ms/round = {t / base:.2f} decode steps", flush=True)
+    return {"target": args.target, "context": args.context, "repeats": args.repeats, "at_al": args.at_al,
+            "heads": {m: (getattr(args, f"{m}_head") or "RANDOM WEIGHTS") for m in drafters},
+            "machine": common.machine_info(), "results": rows}
+
+
+def write_report(summary: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    common.write_json(out / "round_cost.json", summary)
+    al = summary["at_al"]
+    table = [[r["batch_size"], r["method"], r["k"] or "-", common.fmt(r["ms_per_round"], 1),
+              common.fmt(r["cost_vs_decode"]), *[common.fmt(r.get("speedup_at_al", {}).get(str(a))) for a in al]]
+             for r in summary["results"]]
+    md = [f"# Round cost vs decode step ({summary['target']}, context {summary['context']})", "",
+          "cost = ms per speculative round / ms per plain decode step = the acceptance length at which "
+          "speculation breaks even.", "",
+          common.md_table(["B", "method", "K", "ms/round", "cost (break-even AL)", *[f"x none at AL {a}" for a in al]],
+                          table), "", "## Machine", "", common.machine_md(summary["machine"]), ""]
+    (out / "round_cost.md").write_text("\n".join(md))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    summary = run(args)
+    write_report(summary, Path(args.out))
+    print((Path(args.out) / "round_cost.md").read_text())
+    return summary
+
+
+if __name__ == "__main__":
+    main()
