@@ -69,10 +69,19 @@ def main(argv=None) -> None:
         "val_documents": len(stores["val"]) if "val" in stores else None,
         "val_tokens": int(sum(stores["val"].lengths())) if "val" in stores else None,
     }
-    if cfg.data.source == "selfdistill":
-        data["description"] = ("HumanEval-style prompts cut from the Python standard library (function signature "
-                               "+ docstring, whole files held out for validation), answered by the target itself "
-                               "(greedy, chat template): self-distillation")
+    descriptions = {
+        "selfdistill": ("HumanEval-style prompts cut from the Python standard library (function signature "
+                        "+ docstring, whole files held out for validation), answered by the target itself "
+                        "(greedy, chat template): self-distillation"),
+        "code": "Python standard library .py files (whole files held out for validation), raw text",
+    }
+    if cfg.data.source in descriptions:
+        data["description"] = descriptions[cfg.data.source]
+    parts = getattr(stores.get("train"), "stores", None)
+    if parts:  # own shards + data.extra_train_features, each with its source and size
+        data["train_parts"] = [{"folder": str(st.root), "source": st.meta.get("source"), "documents": len(st),
+                                "tokens": int(sum(st.lengths())),
+                                "description": descriptions.get(st.meta.get("source"))} for st in parts]
     manifest = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "method": cfg.objective.method,
