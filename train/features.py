@@ -167,6 +167,15 @@ class FeatureStore:
         return t, m, self._cast(a["aux"][off : off + ln]), self._cast(a["hidden"][off : off + ln])
 
 
+def complete_meta(root: Path) -> dict | None:
+    """The `meta.json` of a feature folder whose extraction finished, else None."""
+    path = Path(root) / "meta.json"
+    if not path.exists():
+        return None
+    meta = json.loads(path.read_text())
+    return meta if meta.get("complete") else None
+
+
 class ConcatStore:
     """Several FeatureStores of one target read as one (document indices run through them in order)."""
 
@@ -197,7 +206,7 @@ def open_train_store(cfg: TrainConfig, own: Path) -> FeatureStore | ConcatStore:
     extra = []
     for p in cfg.data.extra_train_features:
         root = Path(p)
-        if not (root / "meta.json").exists() or not json.loads((root / "meta.json").read_text()).get("complete"):
+        if complete_meta(root) is None:
             raise FileNotFoundError(f"data.extra_train_features: {root} holds no complete feature shards "
                                     "(run python -m train.features with that features_dir first)")
         extra.append(FeatureStore(root))
@@ -236,11 +245,10 @@ def extract_to_disk(cfg: TrainConfig, split: str, target, docs: list[Doc], log=p
     """Write features of `docs` to <features_dir>/<split>; resumes at the first missing shard."""
     root = cfg.features_dir / split
     root.mkdir(parents=True, exist_ok=True)
-    if (root / "meta.json").exists():
-        meta = json.loads((root / "meta.json").read_text())
-        if meta.get("complete") and meta.get("num_docs") == len(docs):
-            log(f"features {split}: complete ({len(docs)} docs)")
-            return root
+    meta = complete_meta(root)
+    if meta is not None and meta.get("num_docs") == len(docs):
+        log(f"features {split}: complete ({len(docs)} docs)")
+        return root
     done = []
     next_doc = 0
     for d in sorted(root.glob("shard_*")):
@@ -290,7 +298,7 @@ def ensure_features(cfg: TrainConfig, target=None, tokenizer=None, eos_ids=(), l
     out = {}
     for split in ("train", "val"):
         root = cfg.features_dir / split
-        if (root / "meta.json").exists() and json.loads((root / "meta.json").read_text()).get("complete"):
+        if complete_meta(root) is not None:
             out[split] = root
             continue
         if target is None:
