@@ -97,11 +97,12 @@ def time_round(target, drafter, method: str, k: int, batch: int, context: int, r
     import jax.numpy as jnp
     from flax import nnx
 
+    from peagle_jax.generate.speculative import cache_capacity
     from peagle_jax.generate.steps import SamplingParams
 
     target_def, ts = nnx.split(target)
     drafter_def, ds = nnx.split(drafter) if drafter is not None else (None, None)
-    capacity = -(-(context + 64 + 2 * k + 2) // 64) * 64
+    capacity = cache_capacity(context, 64, k)
     init, one_round = _jitted(target_def, drafter_def, method, k, capacity)
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(1, target.config.vocab_size, (batch, context)), jnp.int32)

@@ -51,6 +51,11 @@ def prompt_bucket(length: int, minimum: int = 16) -> int:
     return b
 
 
+def cache_capacity(prompt_bucket_len: int, max_new_tokens: int, num_draft: int) -> int:
+    """KV rows a generation needs (prompt bucket + budget + a round's overshoot), rounded up to 64."""
+    return -(-(prompt_bucket_len + max_new_tokens + 2 * num_draft + 2) // 64) * 64
+
+
 def merge_models(target_def, target_state, drafter_def, drafter_state):
     """Rebuild (target, drafter) inside a jitted function from split graph definitions and state."""
     target = nnx.merge(target_def, target_state)
@@ -122,8 +127,7 @@ def speculative_generate(
     max_ctx = target.config.max_position_embeddings
     if t + max_new_tokens > max_ctx:
         raise ValueError(f"prompt bucket {t} + max_new_tokens {max_new_tokens} exceeds the model's context {max_ctx}")
-    capacity = t + max_new_tokens + 2 * k + 2
-    capacity = -(-capacity // 64) * 64
+    capacity = cache_capacity(t, max_new_tokens, k)
     target_def, target_state = nnx.split(target)
     if drafter is not None and method != "none":
         drafter_def, drafter_state = nnx.split(drafter)
