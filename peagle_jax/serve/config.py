@@ -66,7 +66,7 @@ class ServeConfig(BaseModel):
     )
     method: Literal["auto", "none", "eagle3", "peagle"] = "auto"
     num_draft_tokens: int = Field(5, ge=1, le=32)
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
     # --- engine
     max_batch_size: int = Field(8, ge=1, le=1024)
     max_model_len: int | None = Field(2048, ge=2, description="prompt + completion tokens; None = the model's context")

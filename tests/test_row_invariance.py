@@ -1,0 +1,89 @@
+"""bf16 exactness on the real default model: a row's logits do not depend on how many rows
+share its forward, so greedy speculative decoding emits exactly plain decoding's tokens.
+
+XLA:CPU picks dot kernels by row count; a one-row dot (plain decoding) and a K+1-row dot
+(verify) round differently unless `models.layers.matmul` and the row-wise cache attention
+keep every row on the same path. These tests fail on a batch-variant path.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from peagle_jax.generate import speculative_generate
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = [
+    "Write a Python function that checks whether a number is prime.",
+    "Translate 'good morning, how are you?' into French and Spanish.",
+    "Summarize the plot of Romeo and Juliet in three sentences.",
+]
+BUDGET = 48
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16():
+    from peagle_jax.checkpoints import load_target
+    from peagle_jax.checkpoints.default_model import default_model_path
+    from peagle_jax.checkpoints.tokenizer import eos_token_ids, load_tokenizer
+
+    path = default_model_path()
+    target = load_target(path, dtype="bfloat16")
+    tok = load_tokenizer(path)
+    prompts = []
+    for m in MESSAGES:
+        ids = tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True)
+        prompts.append([int(i) for i in (ids["input_ids"] if hasattr(ids, "keys") else ids)])
+    return target, prompts, eos_token_ids(tok, path)
+
+
+def test_step_rows_are_bitwise_row_count_invariant(smollm2_bf16):
+    """Logits of row 0 after a prompt: the same bits whether the forward has 1 or up to 7 rows."""
+    target, prompts, _ = smollm2_bf16
+    gdef, state = nnx.split(target)
+
+    @jax.jit
+    def forward(state, tokens, positions, cache):
+        out = nnx.merge(gdef, state)(tokens, positions, cache)
+        return out.logits, out.cache
+
+    prompt = prompts[0]
+    cache = target.init_cache(1, 256)
+    _, cache = forward(state, jnp.asarray([prompt]), jnp.arange(len(prompt))[None], cache)
+    cache = cache.with_lengths(jnp.asarray([len(prompt)]))
+    rng = np.random.default_rng(0)
+    for token in rng.integers(0, target.config.vocab_size, 4):
+        rows = {}
+        for r in (1, 2, 3, 4, 7):
+            tokens = np.full((1, r), 17, np.int32)
+            tokens[0, 0] = token
+            logits, _ = forward(state, jnp.asarray(tokens), jnp.asarray(len(prompt) + np.arange(r))[None], cache)
+            rows[r] = np.asarray(logits[0, 0])
+        for r, row in rows.items():
+            assert np.array_equal(row, rows[1]), f"row 0 of a {r}-row forward differs from a 1-row forward"
+
+
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_speculative_matches_plain_in_bf16(smollm2_bf16, method, k):
+    from peagle_jax.checkpoints.default_model import default_drafter_path
+    from peagle_jax.checkpoints.drafter_io import load_drafter
+
+    target, prompts, eos = smollm2_bf16
+    head = default_drafter_path(method)
+    if head is None:
+        pytest.skip(f"no shipped {method} head")
+    drafter = load_drafter(head, target=target, dtype="bfloat16")
+    accept = []
+    for prompt in prompts:  # batch 1: the rows of one sequence
+        plain = speculative_generate(target, None, [prompt], method="none", max_new_tokens=BUDGET, eos_token_ids=eos)
+        spec = speculative_generate(target, drafter, [prompt], method=method, num_draft_tokens=k,
+                                    max_new_tokens=BUDGET, eos_token_ids=eos)
+        assert spec.tokens == plain.tokens
+        accept.append(spec.mean_acceptance_length)
+    assert max(accept) > 1.0, accept  # the shipped head drafts something right
