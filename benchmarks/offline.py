@@ -80,6 +80,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="torch.set_num_threads for the HF peers (1 is much faster on a contended CPU)")
     ap.add_argument("--assistant", default=None, help="assistant model for HF assisted decoding (same tokenizer)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                    help="target and head weights/activations (norms, softmax, logits stay float32)")
     ap.add_argument("--out", default="results/offline")
     return ap.parse_args(argv)
 
@@ -99,8 +101,8 @@ def _load(args):
         target_path = resolve_model_path(args.target)
         tok_path = Path(args.tokenizer) if args.tokenizer else target_path
         tok = load_tokenizer(tok_path)
-        target = load_target(target_path)
-        target_label = str(target_path)
+        target = load_target(target_path, dtype=args.dtype)
+        target_label = f"{target_path} ({args.dtype})"
     eos = [] if args.ignore_eos else eos_token_ids(tok, tok_path)
     return target, target_path, target_label, tok, eos
 
@@ -114,7 +116,7 @@ def _drafters(args, target) -> tuple[dict[str, Any], dict[str, str], dict[str, s
         if method not in args.methods:
             continue
         if path:
-            d = load_drafter(path, target=target)
+            d = load_drafter(path, target=target, dtype=args.dtype)
             if method == "peagle" and not d.config.parallel_drafting:
                 raise SystemExit(f"--peagle-head {path} has no parallel drafting (mask_token_id/mask_hidden)")
             drafters[method], labels[method] = d, f"trained head {path}"

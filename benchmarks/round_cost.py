@@ -45,6 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--context", type=int, default=256, help="prompt tokens before the timed rounds")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--at-al", type=float, nargs="*", default=[2.0, 3.0], help="report speed-ups at these ALs")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--out", default="results/round_cost")
     a = ap.parse_args(argv)
     if a.context < 2 or a.repeats < 1 or any(k < 1 for k in a.ks) or any(b < 1 for b in a.batch_sizes):
@@ -60,11 +61,11 @@ def _models(args):
     if args.target == "tiny":
         target = common.tiny_target(256, layers=2)
     else:
-        target = load_target(resolve_model_path(args.target))
+        target = load_target(resolve_model_path(args.target), dtype=args.dtype)
     drafters = {}
     for method, path in (("peagle", args.peagle_head), ("eagle3", args.eagle3_head)):
         if path:
-            drafters[method] = load_drafter(path, target=target)
+            drafters[method] = load_drafter(path, target=target, dtype=args.dtype)
         elif args.random_heads:
             drafters[method] = common.random_drafter(target, parallel=method == "peagle", seed=1)
     if not drafters:
@@ -77,7 +78,7 @@ def _jitted(target_def, drafter_def, method: str, k: int, capacity: int):
     import jax
 
     from peagle_jax.generate.speculative import merge_models
-    from peagle_jax.generate.steps import prefill, spec_round
+    from peagle_jax.generate.steps import prefill, spec_round, step_jit
 
     def init(ts, ds, tokens, lens, max_new, sp, eos, key):
         target, drafter = merge_models(target_def, ts, drafter_def, ds)
@@ -88,7 +89,7 @@ def _jitted(target_def, drafter_def, method: str, k: int, capacity: int):
         target, drafter = merge_models(target_def, ts, drafter_def, ds)
         return spec_round(target, drafter, state, method=method, num_draft=k, greedy=True)
 
-    return jax.jit(init), jax.jit(one_round)
+    return step_jit(init), step_jit(one_round)
 
 
 def time_round(target, drafter, method: str, k: int, batch: int, context: int, repeats: int) -> float:
@@ -130,7 +131,7 @@ def run(args) -> dict[str, Any]:
                              "cost_vs_decode": t / base,
                              "speedup_at_al": {str(a): a * base / t for a in args.at_al if a <= k + 1}})
                 print(f"B={b} {method} K={k}: {1000 * t:.1f} ms/round = {t / base:.2f} decode steps", flush=True)
-    return {"target": args.target, "context": args.context, "repeats": args.repeats, "at_al": args.at_al,
+    return {"target": args.target, "dtype": args.dtype, "context": args.context, "repeats": args.repeats, "at_al": args.at_al,
             "heads": {m: (getattr(args, f"{m}_head") or "RANDOM WEIGHTS") for m in drafters},
             "machine": common.machine_info(), "results": rows}
 
@@ -142,7 +143,8 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
     table = [[r["batch_size"], r["method"], r["k"] or "-", common.fmt(r["ms_per_round"], 1),
               common.fmt(r["cost_vs_decode"]), *[common.fmt(r.get("speedup_at_al", {}).get(str(a))) for a in al]]
              for r in summary["results"]]
-    md = [f"# Round cost vs decode step ({summary['target']}, context {summary['context']})", "",
+    md = [f"# Round cost vs decode step ({summary['target']}, {summary.get('dtype', 'float32')}, "
+          f"context {summary['context']})", "",
           "cost = ms per speculative round / ms per plain decode step = the acceptance length at which "
           "speculation breaks even.", "",
           common.md_table(["B", "method", "K", "ms/round", "cost (break-even AL)", *[f"x none at AL {a}" for a in al]],

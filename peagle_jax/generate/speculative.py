@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from peagle_jax.drafters.eagle3 import Eagle3Drafter
-from peagle_jax.generate.steps import METHODS, SamplingParams, prefill, spec_round
+from peagle_jax.generate.steps import METHODS, SamplingParams, prefill, spec_round, step_jit
 
 
 @dataclasses.dataclass
@@ -64,7 +64,7 @@ def merge_models(target_def, target_state, drafter_def, drafter_state):
 
 
 @functools.partial(
-    jax.jit,
+    step_jit,
     static_argnames=("target_def", "drafter_def", "method", "num_draft", "greedy", "capacity", "out_size"),
 )
 def _generate_jit(

@@ -27,6 +27,7 @@ server drives slot by slot.
 
 from __future__ import annotations
 
+import functools
 from typing import Literal, NamedTuple
 
 import jax
@@ -42,6 +43,16 @@ from peagle_jax.models.transformer import CausalLM
 
 Method = Literal["none", "eagle3", "peagle"]
 METHODS = ("none", "eagle3", "peagle")
+
+#: XLA options for every program that runs these steps. Greedy speculative decoding is exact
+#: only if a row gets bitwise the same logits in a 1-row decode step, a K+1-row verify and a
+#: batch of B such blocks. XLA:CPU's YNN library fusions merge a dot with neighbouring
+#: elementwise and reduce ops into one kernel whose rounding depends on the row count (rows of
+#: 2- and 8-row SmolLM2 forwards differed in bf16); keeping them to single dots makes every
+#: row's value the same (tests/test_row_invariance.py). Other backends ignore xla_cpu_ options.
+STEP_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+#: `jax.jit` with STEP_COMPILER_OPTIONS (use it for anything that calls prefill / spec_round).
+step_jit = functools.partial(jax.jit, compiler_options=STEP_COMPILER_OPTIONS)
 
 
 class SamplingParams(NamedTuple):

@@ -36,7 +36,7 @@ from flax import nnx
 from peagle_jax.drafters.eagle3 import Eagle3Drafter
 from peagle_jax.generate.speculative import merge_models, prompt_bucket
 from peagle_jax.generate.steps import (
-    METHODS, SamplingParams, SpecState, finish_sequences, insert_sequences, prefill, spec_round,
+    METHODS, SamplingParams, SpecState, finish_sequences, insert_sequences, prefill, spec_round, step_jit,
 )
 from peagle_jax.serve.detokenize import IncrementalDetokenizer, StopStrings
 from peagle_jax.serve.metrics import Metrics
@@ -110,7 +110,7 @@ def _keys_from_seeds(seeds):
 
 
 @functools.partial(
-    jax.jit,
+    step_jit,
     static_argnames=("target_def", "drafter_def", "method", "num_draft", "greedy", "capacity", "out_size"),
 )
 def _prefill_jit(target_state, drafter_state, tokens, lens, max_new, sp, eos_ids, key,
@@ -121,7 +121,7 @@ def _prefill_jit(target_state, drafter_state, tokens, lens, max_new, sp, eos_ids
 
 
 @functools.partial(
-    jax.jit, static_argnames=("target_def", "drafter_def", "method", "num_draft", "greedy"), donate_argnames=("state",)
+    step_jit, static_argnames=("target_def", "drafter_def", "method", "num_draft", "greedy"), donate_argnames=("state",)
 )
 def _round_jit(target_state, drafter_state, state, *, target_def, drafter_def, method, num_draft, greedy):
     """One round; also returns what the host needs: the new tokens of each row and stats."""
