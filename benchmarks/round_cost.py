@@ -46,6 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--at-al", type=float, nargs="*", default=[2.0, 3.0], help="report speed-ups at these ALs")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: time sampled rounds (rejection sampling)")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--out", default="results/round_cost")
     a = ap.parse_args(argv)
     if a.context < 2 or a.repeats < 1 or any(k < 1 for k in a.ks) or any(b < 1 for b in a.batch_sizes):
@@ -74,26 +76,50 @@ def _models(args):
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted(target_def, drafter_def, method: str, k: int, capacity: int):
+def _jitted(target_def, drafter_def, method: str, k: int, capacity: int, greedy: bool):
     import jax
 
     from peagle_jax.generate.speculative import merge_models
-    from peagle_jax.generate.steps import prefill, spec_round, step_jit
+    from peagle_jax.generate.steps import (
+        DraftSettings, Pending, draft_parallel, draft_sequential, prefill, spec_round, step_jit,
+    )
 
     def init(ts, ds, tokens, lens, max_new, sp, eos, key):
         target, drafter = merge_models(target_def, ts, drafter_def, ds)
-        return prefill(target, drafter, tokens, lens, method=method, num_draft=k, greedy=True, capacity=capacity,
+        return prefill(target, drafter, tokens, lens, method=method, num_draft=k, greedy=greedy, capacity=capacity,
                        out_size=64, max_new=max_new, sp=sp, eos_ids=eos, key=key)
 
     def one_round(ts, ds, state):
         target, drafter = merge_models(target_def, ts, drafter_def, ds)
-        return spec_round(target, drafter, state, method=method, num_draft=k, greedy=True)
+        return spec_round(target, drafter, state, method=method, num_draft=k, greedy=greedy)
 
-    return step_jit(init), step_jit(one_round)
+    def draft_only(ts, ds, state):
+        target, drafter = merge_models(target_def, ts, drafter_def, ds)
+        draft = draft_parallel if method == "peagle" else draft_sequential
+        settings = DraftSettings(k, state.key, state.sampling, greedy, target.config.vocab_size)
+        drafts, q, _ = draft(drafter, state.drafter_cache, Pending.of(state), settings)
+        return drafts, q
+
+    return step_jit(init), step_jit(one_round), (step_jit(draft_only) if method != "none" else None)
 
 
-def time_round(target, drafter, method: str, k: int, batch: int, context: int, repeats: int) -> float:
-    """Median seconds of one jitted `spec_round` at `context` committed tokens."""
+def _median_seconds(fn, args, repeats: int) -> float:
+    import jax
+
+    jax.block_until_ready(fn(*args))  # compile
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def time_round(target, drafter, method: str, k: int, batch: int, context: int, repeats: int,
+               temperature: float = 0.0, top_p: float = 1.0) -> tuple[float, float | None]:
+    """Median seconds of one jitted `spec_round` at `context` committed tokens, and of its draft
+    step alone (None for method none). Greedy unless `temperature` > 0 (then exact rejection
+    sampling with that temperature and top-p)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -104,35 +130,43 @@ def time_round(target, drafter, method: str, k: int, batch: int, context: int, r
     target_def, ts = nnx.split(target)
     drafter_def, ds = nnx.split(drafter) if drafter is not None else (None, None)
     capacity = cache_capacity(context, 64, k)
-    init, one_round = _jitted(target_def, drafter_def, method, k, capacity)
+    init, one_round, draft_only = _jitted(target_def, drafter_def, method, k, capacity, temperature == 0.0)
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(1, target.config.vocab_size, (batch, context)), jnp.int32)
     state = init(ts, ds, tokens, jnp.full((batch,), context, jnp.int32), jnp.full((batch,), 64, jnp.int32),
-                 SamplingParams.full(batch), jnp.asarray([-1], jnp.int32), jax.random.split(jax.random.key(0), batch))
-    jax.block_until_ready(one_round(ts, ds, state))  # compile
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(one_round(ts, ds, state))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+                 SamplingParams.full(batch, temperature, 0, top_p), jnp.asarray([-1], jnp.int32),
+                 jax.random.split(jax.random.key(0), batch))
+    round_s = _median_seconds(one_round, (ts, ds, state), repeats)
+    draft_s = _median_seconds(draft_only, (ts, ds, state), repeats) if draft_only is not None else None
+    return round_s, draft_s
 
 
 def run(args) -> dict[str, Any]:
+    """Greedy rounds against the greedy decode step; with --temperature also sampled rounds,
+    against the same greedy step (the cost of sampling itself shows in the ratio)."""
     target, drafters = _models(args)
+    modes = [("greedy", 0.0)] + ([(f"T={args.temperature} top-p={args.top_p}", args.temperature)]
+                                 if args.temperature > 0 else [])
     rows = []
     for b in args.batch_sizes:
-        base = time_round(target, None, "none", 0, b, args.context, args.repeats)
-        rows.append({"batch_size": b, "method": "none", "k": 0, "ms_per_round": 1000 * base, "cost_vs_decode": 1.0})
-        for method, drafter in drafters.items():
-            for k in args.ks:
-                t = time_round(target, drafter, method, k, b, args.context, args.repeats)
-                rows.append({"batch_size": b, "method": method, "k": k, "ms_per_round": 1000 * t,
-                             "cost_vs_decode": t / base,
-                             "speedup_at_al": {str(a): a * base / t for a in args.at_al if a <= k + 1}})
-                print(f"B={b} {method} K={k}: {1000 * t:.1f} ms/round = {t / base:.2f} decode steps", flush=True)
-    return {"target": args.target, "dtype": args.dtype, "context": args.context, "repeats": args.repeats, "at_al": args.at_al,
-            "heads": {m: (getattr(args, f"{m}_head") or "RANDOM WEIGHTS") for m in drafters},
+        base, _ = time_round(target, None, "none", 0, b, args.context, args.repeats)
+        for label, temp in modes:
+            jobs = [("none", None, 0)] + [(m, d, k) for m, d in drafters.items() for k in args.ks]
+            for method, drafter, k in jobs:
+                if method == "none" and temp == 0.0:
+                    t, d = base, None
+                else:
+                    t, d = time_round(target, drafter, method, k, b, args.context, args.repeats, temp, args.top_p)
+                row = {"batch_size": b, "sampling": label, "method": method, "k": k, "ms_per_round": 1000 * t,
+                       "cost_vs_decode": t / base, "ms_draft": None if d is None else 1000 * d}
+                if k:
+                    row["speedup_at_al"] = {str(a): a * base / t for a in args.at_al if a <= k + 1}
+                rows.append(row)
+                drafted = "" if d is None else f" (draft {1000 * d:.1f} ms)"
+                print(f"B={b} {label} {method} K={k}: {1000 * t:.1f} ms/round{drafted} = {t / base:.2f} greedy "
+                      "decode steps", flush=True)
+    return {"target": args.target, "dtype": args.dtype, "context": args.context, "repeats": args.repeats,
+            "at_al": args.at_al, "heads": {m: (getattr(args, f"{m}_head") or "RANDOM WEIGHTS") for m in drafters},
             "machine": common.machine_info(), "results": rows}
 
 
@@ -140,14 +174,16 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     common.write_json(out / "round_cost.json", summary)
     al = summary["at_al"]
-    table = [[r["batch_size"], r["method"], r["k"] or "-", common.fmt(r["ms_per_round"], 1),
+    table = [[r["batch_size"], r.get("sampling", "greedy"), r["method"], r["k"] or "-", common.fmt(r["ms_per_round"], 1),
+              common.fmt(r.get("ms_draft"), 1),
               common.fmt(r["cost_vs_decode"]), *[common.fmt(r.get("speedup_at_al", {}).get(str(a))) for a in al]]
              for r in summary["results"]]
     md = [f"# Round cost vs decode step ({summary['target']}, {summary.get('dtype', 'float32')}, "
           f"context {summary['context']})", "",
-          "cost = ms per speculative round / ms per plain decode step = the acceptance length at which "
-          "speculation breaks even.", "",
-          common.md_table(["B", "method", "K", "ms/round", "cost (break-even AL)", *[f"x none at AL {a}" for a in al]],
+          "cost = ms per round / ms per greedy plain decode step; for greedy rounds it is the acceptance "
+          "length at which speculation breaks even.", "",
+          common.md_table(["B", "sampling", "method", "K", "ms/round", "ms drafting", "cost (break-even AL)",
+                           *[f"x none at AL {a}" for a in al]],
                           table), "", "## Machine", "", common.machine_md(summary["machine"]), ""]
     (out / "round_cost.md").write_text("\n".join(md))
 

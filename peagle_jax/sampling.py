@@ -34,6 +34,12 @@ def _finite_max(x: Float[Array, "... V"]) -> Float[Array, "... 1"]:
     return jnp.where(jnp.isfinite(m), m, 0.0)
 
 
+#: Top-k / top-p are resolved among this many highest logits per row (one `lax.top_k`); a row
+#: whose filter reaches past them (a large top-k, or a nucleus wider than this) sends the batch
+#: through a full sort instead. Both give the same kept set.
+FILTER_CANDIDATES = 1024
+
+
 def process_logits(
     logits: Float[Array, "B R V"],
     temperature: Float[Array, "B"],
@@ -44,6 +50,8 @@ def process_logits(
 
     Greedy rows (temperature 0) get the one-hot of the argmax (lowest index on ties).
     Ties at the top-k / top-p boundary are all kept (like HF/vLLM's threshold masking).
+    A full-vocabulary sort costs milliseconds per row on CPU, so it runs only when needed:
+    no filter means no sort, and filters are resolved among the top FILTER_CANDIDATES logits.
     """
     x = logits.astype(jnp.float32)
     v = x.shape[-1]
@@ -52,33 +60,60 @@ def process_logits(
     # Shift by the max *before* dividing: logits / tiny_t alone can overflow to inf, and
     # inf - inf is NaN. After the shift the top token sits at 0 and the rest are <= 0.
     x = (x - _finite_max(x)) / t
-
-    # One descending sort serves both filters: top-k masking removes a tail of the sorted
-    # order, so the order of the surviving probabilities is the same as of the logits.
-    srt = -jnp.sort(-x, axis=-1)  # [B, R, V] descending
     k = top_k.astype(jnp.int32)
     k = jnp.where((k <= 0) | (k >= v), v, k)[:, None, None]
-    kth = jnp.take_along_axis(srt, k - 1, axis=-1)  # value of the k-th largest logit
-    srt = jnp.where(srt >= kth, srt, -jnp.inf)
-
-    # Nucleus: keep sorted token j while the mass strictly before it is < top_p; the top
-    # token always has 0 mass before it, and the count is clamped to >= 1 for top_p <= 0.
-    sp = jax.nn.softmax(srt, axis=-1)
-    mass_before = jnp.cumsum(sp, axis=-1) - sp
     p = top_p.astype(jnp.float32)[:, None, None]
-    n_keep = jnp.sum(mass_before < p, axis=-1, keepdims=True)
-    # top_p >= 1 is exactly "off": fp32 cumsum can reach 1.0 early and drop tiny tokens.
-    n_keep = jnp.where(p >= 1.0, v, jnp.clip(n_keep, 1, v))
-    # Compare in logit space against the last kept logit: exact, no softmax rounding.
-    thresh = jnp.take_along_axis(srt, n_keep - 1, axis=-1)
-    keep = (x >= thresh) & (x >= kth)
+    # Greedy rows ignore their filters (they are one-hot below).
+    filtered = ~greedy & ((k < v) | (p < 1.0))
 
+    def no_filter(x, k, p, filtered):
+        return jnp.ones(x.shape, bool)
+
+    keep = jax.lax.cond(jnp.any(filtered), _filter_keep, no_filter, x, k, p, filtered)
     e = jnp.where(keep, jnp.exp(x), 0.0)  # x <= 0, so exp cannot overflow
     total = jnp.sum(e, axis=-1, keepdims=True)
     one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.float32)
     # total == 0 only for a row with no finite logit; fall back to argmax instead of NaN.
     probs = jnp.where(total > 0, e / jnp.where(total > 0, total, 1.0), one_hot)
     return jnp.where(greedy, one_hot, probs)
+
+
+def _keep_from_sorted(x, srt, k, p):
+    """Top-k then top-p kept set, from `srt`: the c largest values of x, descending.
+
+    k = V means top-k off. Returns (keep mask, per row: whether the c values decide it).
+    """
+    v, c = x.shape[-1], srt.shape[-1]
+    k_off = k >= v
+    kth = jnp.where(k_off, -jnp.inf, jnp.take_along_axis(srt, jnp.minimum(k, c) - 1, axis=-1))
+    # Softmax mass over the top-k-kept set, normalised over the whole vocabulary.
+    total = jnp.sum(jnp.where(x >= kth, jnp.exp(x), 0.0), axis=-1, keepdims=True)
+    sp = jnp.where(srt >= kth, jnp.exp(srt), 0.0) / total
+    # Nucleus: keep sorted token j while the mass strictly before it is < top_p; the top
+    # token always has 0 mass before it, and the count is clamped to >= 1 for top_p <= 0.
+    mass_before = jnp.cumsum(sp, axis=-1) - sp
+    n_keep = jnp.sum(mass_before < p, axis=-1, keepdims=True)
+    # Decided if the k-th value lies among the c, and the nucleus ends among them (or
+    # top-k already confines the kept set to them).
+    inside = k <= c
+    decided = (k_off | inside) & ((p >= 1.0) | (n_keep < c) | inside)
+    # Compare in logit space against the last kept logit: exact, no softmax rounding.
+    # top_p >= 1 is exactly "off": fp32 cumsum can reach 1.0 early and drop tiny tokens.
+    thresh = jnp.take_along_axis(srt, jnp.clip(n_keep, 1, c) - 1, axis=-1)
+    thresh = jnp.where(p >= 1.0, -jnp.inf, thresh)
+    return (x >= thresh) & (x >= kth), decided
+
+
+def _filter_keep(x, k, p, filtered):
+    """Kept set for filtered rows: among the top FILTER_CANDIDATES, else by a full sort."""
+    c = min(FILTER_CANDIDATES, x.shape[-1])
+    keep, decided = _keep_from_sorted(x, jax.lax.top_k(x, c)[0], k, p)
+    decided = jnp.all(decided | ~filtered)
+
+    def full_sort(x):
+        return _keep_from_sorted(x, -jnp.sort(-x, axis=-1), k, p)[0]
+
+    return jax.lax.cond(decided, lambda x: keep, full_sort, x)
 
 
 # Every function that draws random numbers takes either one key for the whole batch or one

@@ -135,13 +135,19 @@ def test_round_cost_tiny(tmp_path):
 
     out = tmp_path / "rc"
     s = round_cost.main(["--target", "tiny", "--random-heads", "--ks", "2", "--batch-sizes", "1", "--context", "8",
-                         "--repeats", "2", "--at-al", "2", "--out", str(out)])
+                         "--repeats", "2", "--at-al", "2", "--temperature", "0.7", "--top-p", "0.9",
+                         "--out", str(out)])
     assert (out / "round_cost.md").stat().st_size > 0 and json.loads((out / "round_cost.json").read_text())
     rows = s["results"]
-    assert {(r["method"], r["k"]) for r in rows} == {("none", 0), ("eagle3", 2), ("peagle", 2)}
+    modes = {"greedy", "T=0.7 top-p=0.9"}
+    assert {(r["sampling"], r["method"], r["k"]) for r in rows} == {
+        (m, meth, k) for m in modes for meth, k in (("none", 0), ("eagle3", 2), ("peagle", 2))}
     for r in rows:
         assert _finite_positive(r["ms_per_round"]) and _finite_positive(r["cost_vs_decode"])
         if r["method"] != "none":
-            # speed-up at AL a is a / cost by definition
+            # speed-up at AL a is a / cost by definition; drafting is part of the round
             assert r["speedup_at_al"]["2.0"] == pytest.approx(2.0 / r["cost_vs_decode"])
+            assert _finite_positive(r["ms_draft"])
+        elif r["sampling"] == "greedy":
+            assert r["cost_vs_decode"] == 1.0
     _check_machine(s["machine"])

@@ -280,8 +280,11 @@ class Engine:
 
     # ------------------------------------------------------------------ state
 
-    def _prefill(self, tokens, lens, max_new, sp, key, greedy):
-        return _prefill_jit(
+    def _prefill(self, tokens, lens, max_new, sp, key, greedy, *, shapes_only: bool = False):
+        # step_jit programs must be called at top level: `.eval_shape` gives their output
+        # shapes without staging them inside another trace.
+        fn = _prefill_jit.eval_shape if shapes_only else _prefill_jit
+        return fn(
             self._target_state, self._drafter_state, tokens, lens, max_new, sp, self._eos, key,
             target_def=self._target_def, drafter_def=self._drafter_def, method=self.method, num_draft=self.k,
             greedy=greedy, capacity=self.capacity, out_size=self.out_size,
@@ -296,11 +299,9 @@ class Engine:
 
     def _empty_state(self) -> SpecState:
         b, t = self.max_batch_size, self.min_prompt_bucket
-        shapes = jax.eval_shape(
-            lambda: self._prefill(
-                jnp.zeros((b, t), jnp.int32), jnp.ones((b,), jnp.int32), jnp.ones((b,), jnp.int32),
-                SamplingParams.full(b), jax.random.split(self._key, b), False,
-            )
+        shapes = self._prefill(
+            jnp.zeros((b, t), jnp.int32), jnp.ones((b,), jnp.int32), jnp.ones((b,), jnp.int32),
+            SamplingParams.full(b), jax.random.split(self._key, b), False, shapes_only=True,
         )
 
         # Fresh buffers throughout: the batch state is donated to every jitted step, so it must
