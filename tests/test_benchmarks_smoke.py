@@ -151,3 +151,18 @@ def test_round_cost_tiny(tmp_path):
         elif r["sampling"] == "greedy":
             assert r["cost_vs_decode"] == 1.0
     _check_machine(s["machine"])
+
+
+def test_forward_rows_tiny(tmp_path):
+    from benchmarks import forward_rows
+
+    out = tmp_path / "fr"
+    s = forward_rows.main(["--target", "tiny", "--rows", "1", "2", "8", "--context", "8", "--repeats", "2",
+                           "--out", str(out)])
+    assert (out / "forward_rows.md").stat().st_size > 0
+    assert len(s["results"]) == 4
+    for r in s["results"]:
+        assert all(_finite_positive(v) for v in r["ms_per_forward"].values())
+    # with every measure on, row 0 is bitwise the same at 1, 2 and 8 rows
+    both = [r for r in s["results"] if r["fusion_option"] and r["rowwise_attention"]]
+    assert both[0]["row0_bitwise_invariant"]

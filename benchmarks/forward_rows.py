@@ -1,0 +1,139 @@
+"""Milliseconds per target forward by row count, and what the row-invariance measures cost.
+
+A speculative round verifies K+1 rows where plain decoding runs 1, so the price of a row
+decides where speculation breaks even. This times one jitted target forward over R rows at a
+fixed context, for each R, under each combination of the two switchable measures that keep a
+row's logits independent of R (see the README, "Exact in bf16"):
+  * `step_jit`'s compiler option (YNN fusions limited to single dots), on / off;
+  * row-wise cache attention for blocks of <= 16 rows, on / off.
+The third measure (no one-row dots) is always on. Also reports whether row 0's logits are
+bitwise the same for every R (they must be with both measures on).
+
+  .venv/bin/python benchmarks/forward_rows.py [--target default] [--dtype bfloat16]
+      [--rows 1 2 4 8 16] [--context 256] [--repeats 20] [--out results/forward_rows]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+
+from benchmarks import common
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="default", help="'default' (SmolLM2), a .gguf / HF dir, or 'tiny'")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--out", default="results/forward_rows")
+    a = ap.parse_args(argv)
+    if a.context < 1 or a.repeats < 1 or any(r < 1 for r in a.rows):
+        ap.error("--context, --repeats and --rows must be >= 1")
+    return a
+
+
+def time_forwards(target, rows: list[int], context: int, repeats: int, *, fusion_option: bool,
+                  rowwise: bool) -> tuple[dict[int, float], dict[int, np.ndarray]]:
+    """{R: median ms per forward}, {R: row 0's logits} for one configuration."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import kernels_pallas.cache_attention as attention
+    from peagle_jax.generate.steps import STEP_COMPILER_OPTIONS
+
+    saved = attention.ROWWISE_MAX_ROWS
+    attention.ROWWISE_MAX_ROWS = 16 if rowwise else 0  # read at trace time
+    try:
+        gdef, state = nnx.split(target)
+
+        def forward(state, tokens, positions, cache):
+            out = nnx.merge(gdef, state)(tokens, positions, cache)
+            return out.logits, out.cache
+
+        fwd = jax.jit(forward, compiler_options=STEP_COMPILER_OPTIONS if fusion_option else None)
+        capacity = -(-(context + max(rows)) // 64) * 64
+        rng = np.random.default_rng(0)
+        prompt = jnp.asarray(rng.integers(1, target.config.vocab_size, (1, context)), jnp.int32)
+        _, cache = fwd(state, prompt, jnp.arange(context)[None], target.init_cache(1, capacity))
+        cache = cache.with_lengths(jnp.asarray([context]))
+        ms, logits = {}, {}
+        for r in rows:
+            tokens = jnp.asarray(rng.integers(1, target.config.vocab_size, (1, r)), jnp.int32).at[0, 0].set(17)
+            positions = jnp.asarray(context + np.arange(r))[None]
+            out = jax.block_until_ready(fwd(state, tokens, positions, cache))  # compile
+            logits[r] = np.asarray(out[0][0, 0])
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fwd(state, tokens, positions, cache))
+                times.append(time.perf_counter() - t0)
+            ms[r] = 1000 * float(np.median(times))
+        return ms, logits
+    finally:
+        attention.ROWWISE_MAX_ROWS = saved
+
+
+def run(args) -> dict[str, Any]:
+    from peagle_jax.checkpoints import load_target
+    from peagle_jax.checkpoints.default_model import resolve_model_path
+
+    if args.target == "tiny":
+        from peagle_jax.models import create_model
+
+        target = create_model(common.shape_config("tiny", layers=2, vocab_size=256, dtype=args.dtype))
+    else:
+        target = load_target(resolve_model_path(args.target), dtype=args.dtype)
+    results = []
+    # Configurations interleaved per round of repeats would be fairer; one after the other,
+    # each is timed within seconds of the others on an otherwise idle machine.
+    for fusion_option, rowwise in itertools.product((True, False), (True, False)):
+        ms, logits = time_forwards(target, args.rows, args.context, args.repeats,
+                                   fusion_option=fusion_option, rowwise=rowwise)
+        first = logits[args.rows[0]]
+        invariant = all(np.array_equal(first, row) for row in logits.values())
+        results.append({"fusion_option": fusion_option, "rowwise_attention": rowwise,
+                        "ms_per_forward": {str(r): v for r, v in ms.items()}, "row0_bitwise_invariant": invariant})
+        print(f"fusion option {fusion_option!s:5} row-wise {rowwise!s:5}: "
+              + " ".join(f"{r}:{v:.1f}" for r, v in ms.items()) + f" ms; row 0 invariant: {invariant}", flush=True)
+    return {"target": args.target, "dtype": args.dtype, "context": args.context, "repeats": args.repeats,
+            "rows": args.rows, "machine": common.machine_info(), "results": results}
+
+
+def write_report(summary: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    common.write_json(out / "forward_rows.json", summary)
+    rows = summary["rows"]
+    table = [["on" if r["fusion_option"] else "off", "on" if r["rowwise_attention"] else "off",
+              *[common.fmt(r["ms_per_forward"][str(n)], 1) for n in rows],
+              "yes" if r["row0_bitwise_invariant"] else "NO"] for r in summary["results"]]
+    md = [f"# ms per target forward by row count ({summary['target']}, {summary['dtype']}, "
+          f"context {summary['context']}, median of {summary['repeats']})", "",
+          common.md_table(["step_jit option", "row-wise attention", *[f"{n} rows" for n in rows],
+                           "row 0 bitwise equal for all row counts"], table),
+          "", "## Machine", "", common.machine_md(summary["machine"]), ""]
+    (out / "forward_rows.md").write_text("\n".join(md))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    summary = run(args)
+    write_report(summary, Path(args.out))
+    print((Path(args.out) / "forward_rows.md").read_text())
+    return summary
+
+
+if __name__ == "__main__":
+    main()
