@@ -59,6 +59,7 @@ def main(argv=None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--limit", type=int, default=None, help="first N prompts of each set (default: all)")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--out", default="results/acceptance")
     a = ap.parse_args(argv)
 
@@ -68,9 +69,10 @@ def main(argv=None) -> None:
     from peagle_jax.checkpoints.tokenizer import eos_token_ids, load_tokenizer
 
     path = default_model_path()
-    target, tok = load_target(path), load_tokenizer(path)
+    target, tok = load_target(path, dtype=a.dtype), load_tokenizer(path)
     eos = eos_token_ids(tok, path)
-    heads = {"peagle": load_drafter(a.peagle_head, target=target), "eagle3": load_drafter(a.eagle3_head, target=target)}
+    heads = {m: load_drafter(h, target=target, dtype=a.dtype)
+             for m, h in (("peagle", a.peagle_head), ("eagle3", a.eagle3_head))}
     humaneval = load_prompts("humaneval", limit=a.limit)
     coding = load_prompts("mtbench", category="coding", limit=a.limit)
     sets = {f"HumanEval ({len(humaneval)})": humaneval, f"MT-Bench coding ({len(coding)})": coding}
@@ -95,7 +97,7 @@ def main(argv=None) -> None:
                                     prompts=len(idx), mismatches_vs_greedy=int(mismatches)))
                 print(json.dumps(results[-1]), flush=True)
     out = Path(a.out)
-    write_json(out / "acceptance.json", dict(machine=machine_info(), max_new_tokens=a.max_new_tokens,
+    write_json(out / "acceptance.json", dict(machine=machine_info(), dtype=a.dtype, max_new_tokens=a.max_new_tokens,
                                                heads=dict(peagle=a.peagle_head, eagle3=a.eagle3_head),
                                                wall_time_s=time.time() - t0, results=results))
     rows = [[r["dataset"], r["method"], r["k"], f"{r['acceptance_length']:.2f}",
