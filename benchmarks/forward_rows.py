@@ -16,6 +16,7 @@ bitwise the same for every R (they must be with both measures on).
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import sys
 import time
@@ -51,8 +52,10 @@ def time_forwards(target, rows: list[int], context: int, repeats: int, *, fusion
     import jax.numpy as jnp
     from flax import nnx
 
-    import kernels_pallas.cache_attention as attention
     from peagle_jax.generate.steps import STEP_COMPILER_OPTIONS
+
+    # The module, not the `cache_attention` function kernels_pallas exports under its name.
+    attention = importlib.import_module("kernels_pallas.cache_attention")
 
     saved = attention.ROWWISE_MAX_ROWS
     attention.ROWWISE_MAX_ROWS = 16 if rowwise else 0  # read at trace time
