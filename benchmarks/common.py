@@ -120,11 +120,11 @@ def shape_config(name: str, *, layers: int | None = None, vocab_size: int | None
     return ModelConfig(**fields)
 
 
-def tiny_target(vocab_size: int, *, layers: int = 4, seed: int = 0):
+def tiny_target(vocab_size: int, *, layers: int = 4, seed: int = 0, dtype: str = "float32"):
     """A tiny random-weight llama target with a given vocabulary (tests and `--target tiny`)."""
     from peagle_jax.models import create_model
 
-    return create_model(shape_config("tiny", layers=layers, vocab_size=vocab_size), seed=seed)
+    return create_model(shape_config("tiny", layers=layers, vocab_size=vocab_size, dtype=dtype), seed=seed)
 
 
 def random_drafter(target, *, parallel: bool, seed: int = 1, mask_token_id: int | None = None):

@@ -52,6 +52,7 @@ def time_forwards(target, rows: list[int], context: int, repeats: int, *, fusion
     import jax.numpy as jnp
     from flax import nnx
 
+    from peagle_jax.generate.speculative import cache_capacity
     from peagle_jax.generate.steps import STEP_COMPILER_OPTIONS
 
     # The module, not the `cache_attention` function kernels_pallas exports under its name.
@@ -67,7 +68,7 @@ def time_forwards(target, rows: list[int], context: int, repeats: int, *, fusion
             return out.logits, out.cache
 
         fwd = jax.jit(forward, compiler_options=STEP_COMPILER_OPTIONS if fusion_option else None)
-        capacity = -(-(context + max(rows)) // 64) * 64
+        capacity = cache_capacity(context, max(rows), 0)
         rng = np.random.default_rng(0)
         prompt = jnp.asarray(rng.integers(1, target.config.vocab_size, (1, context)), jnp.int32)
         _, cache = fwd(state, prompt, jnp.arange(context)[None], target.init_cache(1, capacity))
@@ -94,9 +95,7 @@ def run(args) -> dict[str, Any]:
     from peagle_jax.checkpoints.default_model import resolve_model_path
 
     if args.target == "tiny":
-        from peagle_jax.models import create_model
-
-        target = create_model(common.shape_config("tiny", layers=2, vocab_size=256, dtype=args.dtype))
+        target = common.tiny_target(256, layers=2, dtype=args.dtype)
     else:
         target = load_target(resolve_model_path(args.target), dtype=args.dtype)
     results = []

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from benchmarks.common import encode_prompt
 from peagle_jax.generate import speculative_generate
 from peagle_jax.generate.steps import step_jit
 
@@ -37,10 +38,7 @@ def smollm2_bf16():
     path = default_model_path()
     target = load_target(path, dtype="bfloat16")
     tok = load_tokenizer(path)
-    prompts = []
-    for m in MESSAGES:
-        ids = tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True)
-        prompts.append([int(i) for i in (ids["input_ids"] if hasattr(ids, "keys") else ids)])
+    prompts = [encode_prompt(tok, {"kind": "chat", "text": m}) for m in MESSAGES]
     return target, prompts, eos_token_ids(tok, path)
 
 

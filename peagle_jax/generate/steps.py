@@ -49,7 +49,8 @@ METHODS = ("none", "eagle3", "peagle")
 #: batch of B such blocks. XLA:CPU's YNN library fusions merge a dot with neighbouring
 #: elementwise and reduce ops into one kernel whose rounding depends on the row count (rows of
 #: 2- and 8-row SmolLM2 forwards differed in bf16); keeping them to single dots makes every
-#: row's value the same (tests/test_row_invariance.py). Other backends ignore xla_cpu_ options.
+#: row's value the same (tests/test_row_invariance.py). It is an xla_cpu_ debug option, meant to
+#: be inert elsewhere; that has not yet been checked on a GPU.
 STEP_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 #: `jax.jit` with STEP_COMPILER_OPTIONS (use it for anything that calls prefill / spec_round).
 step_jit = functools.partial(jax.jit, compiler_options=STEP_COMPILER_OPTIONS)
