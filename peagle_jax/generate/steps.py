@@ -269,12 +269,16 @@ def spec_round(
         emitted = nxt[:, None]
         dcache, pend_tok, pend_feat = state.drafter_cache, state.pending_tokens, state.pending_feats
     else:
-        if isinstance(drafter, ReferenceDrafter):
-            drafts, q, dcache = drafter.propose(state.out_len, num_draft), None, state.drafter_cache
+        oracle = drafter if isinstance(drafter, ReferenceDrafter) else None
+        head = oracle.head if oracle is not None else drafter
+        if head is None:
+            drafts, q, dcache = oracle.propose(state.out_len, num_draft), None, state.drafter_cache
         else:
             draft_fn = draft_parallel if method == "peagle" else draft_sequential
-            drafts, q, dcache = draft_fn(drafter, state.drafter_cache, Pending.of(state),
+            drafts, q, dcache = draft_fn(head, state.drafter_cache, Pending.of(state),
                                          DraftSettings(num_draft, k_draft, sp, greedy, vocab))
+            if oracle is not None:  # drafting cost of the real head, acceptance of the oracle
+                drafts, q = oracle.overlay(drafts, state.out_len), None
         out = verify_forward(target, tcache, state.last_token, drafts, return_aux=True)
         if greedy:
             m, nxt = sampling.accept_greedy(drafts, out.logits)
@@ -350,11 +354,12 @@ def prefill(
     dcache, pend_feat = None, None
     if use_drafter:
         feats = drafter.project(out.aux_hidden)  # [B, T, H]
-        if not isinstance(drafter, ReferenceDrafter):
+        head = drafter.head if isinstance(drafter, ReferenceDrafter) else drafter
+        if head is not None:
             # Drafter rows for p = 0..L-2: token p+1 with the feature of position p.
             shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
-            dcache = drafter.init_cache(b, capacity)
-            dcache = drafter(shifted, feats, positions, dcache, logit_rows=jnp.zeros((b, 1), jnp.int32)).cache
+            dcache = head.init_cache(b, capacity)
+            dcache = head(shifted, feats, positions, dcache, logit_rows=jnp.zeros((b, 1), jnp.int32)).cache
         last_feat = jnp.take_along_axis(feats, (prompt_lens - 1)[:, None, None], axis=1)  # [B, 1, H]
         pend_feat = jnp.zeros((b, w, feats.shape[-1]), feats.dtype).at[:, :1].set(last_feat)
     state = SpecState(

@@ -174,10 +174,19 @@ class MLP(nnx.Module):
 class MoE(nnx.Module):
     """Routed top-k experts (Qwen3-MoE): softmax router, optional top-k renormalisation.
 
-    Experts are stacked [E, ...] and evaluated densely with routing weights that are zero
-    outside the top-k. That is exact and compiles to a few einsums; a grouped (ragged_dot)
-    path is the better choice once expert counts and batch sizes grow on GPU.
+    Experts are stacked [E, ...]. `impl` (set by `models.options.configure_inference`):
+      "dense": every expert runs, with routing weights that are zero outside the top-k. One
+        code path for every token count, so a token's output does not depend on how many
+        rows share the forward (exact speculation), at E/top_k times the weight reads.
+      "gathered": when 3 * tokens * top_k <= E, only the routed experts' weights are gathered
+        (copied out, then read: about 3x their bytes) and applied, so a decode step reads far
+        less than all E experts, nearer to what a grouped-GEMM MoE kernel reads; larger steps,
+        where the copies would cost more than reading every expert, fall back to dense.
+        Rounding can then differ between step sizes, so greedy outputs may differ from plain
+        decoding in near-ties.
     """
+
+    IMPLS = ("dense", "gathered")
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, norm_topk_prob: bool,
                  *, dtype, rngs: nnx.Rngs, std: float = 0.02):
@@ -187,6 +196,7 @@ class MoE(nnx.Module):
         self.gate_proj = init((num_experts, d_model, d_ff))
         self.up_proj = init((num_experts, d_model, d_ff))
         self.down_proj = init((num_experts, d_ff, d_model))
+        self.impl = "dense"
 
     def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
         router_probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)  # [B,T,E]
@@ -194,8 +204,18 @@ class MoE(nnx.Module):
         if self.norm_topk_prob:
             top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
         e = router_probs.shape[-1]
+        if self.impl == "gathered" and 3 * math.prod(x.shape[:2]) * self.top_k <= e:
+            return self._routed_only(x, top_w, top_i)
         weights = jnp.sum(jax.nn.one_hot(top_i, e, dtype=jnp.float32) * top_w[..., None], axis=-2)
         h = jax.nn.silu(jnp.einsum("btd,edf->btef", x, self.gate_proj[...]))
         h = h * jnp.einsum("btd,edf->btef", x, self.up_proj[...])
         y = jnp.einsum("btef,efd->bted", h, self.down_proj[...])
         return jnp.einsum("bted,bte->btd", y, weights.astype(x.dtype))
+
+    def _routed_only(self, x: Float[Array, "B T D"], top_w: Float[Array, "B T K"],
+                     top_i: Int[Array, "B T K"]) -> Float[Array, "B T D"]:
+        """Apply only each token's top-k experts (weights gathered per token)."""
+        gate, up, down = (p[...][top_i] for p in (self.gate_proj, self.up_proj, self.down_proj))
+        h = jax.nn.silu(jnp.einsum("btd,btkdf->btkf", x, gate)) * jnp.einsum("btd,btkdf->btkf", x, up)
+        y = jnp.einsum("btkf,btkfd->btkd", h, down)
+        return jnp.einsum("btkd,btk->btd", y, top_w.astype(x.dtype))

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kernels_pallas import IMPLEMENTATIONS
-from peagle_jax.models.layers import Attention, Linear
+from peagle_jax.models.layers import MoE, Attention, Linear
 
 KV_CACHE_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
 
@@ -28,17 +28,23 @@ def configure_inference(
     attention: str | None = None,
     interpret: bool = False,
     kv_cache_dtype: str | None = None,
+    moe: str | None = None,
 ) -> nnx.Module:
-    """Pick the cache-attention implementation ("xla" | "triton" | "mosaic" | "auto") and the
-    KV cache dtype for every attention layer of a target model or drafter (in place)."""
+    """Pick the cache-attention implementation ("xla" | "triton" | "mosaic" | "auto"), the KV
+    cache dtype and the MoE evaluation ("dense" | "gathered", see `layers.MoE`) of a target
+    model or drafter (in place). An option left None keeps its current setting."""
     if attention is not None and attention not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention implementation {attention!r}; known: {IMPLEMENTATIONS}")
     if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown KV cache dtype {kv_cache_dtype!r}; known: {KV_CACHE_DTYPES}")
+    if moe is not None and moe not in MoE.IMPLS:
+        raise ValueError(f"unknown MoE implementation {moe!r}; known: {MoE.IMPLS}")
     for _, node in nnx.iter_graph(module):
-        if isinstance(node, Attention):
+        if isinstance(node, Attention) and attention is not None:
             node.attn_impl = attention
             node.attn_interpret = interpret
+        if isinstance(node, MoE) and moe is not None:
+            node.impl = moe
     if kv_cache_dtype is not None:
         module.kv_cache_dtype = kv_cache_dtype
     return module
