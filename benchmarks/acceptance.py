@@ -63,16 +63,11 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="results/acceptance")
     a = ap.parse_args(argv)
 
-    from peagle_jax.checkpoints import load_target
-    from peagle_jax.checkpoints.default_model import default_model_path
-    from peagle_jax.checkpoints.drafter_io import load_drafter
-    from peagle_jax.checkpoints.tokenizer import eos_token_ids, load_tokenizer
+    from peagle_jax.api import load
 
-    path = default_model_path()
-    target, tok = load_target(path, dtype=a.dtype), load_tokenizer(path)
-    eos = eos_token_ids(tok, path)
-    heads = {m: load_drafter(h, target=target, dtype=a.dtype)
-             for m, h in (("peagle", a.peagle_head), ("eagle3", a.eagle3_head))}
+    llm = load(drafter=a.peagle_head, method="peagle", dtype=a.dtype)
+    target, tok, eos = llm.target, llm.tokenizer, llm.eos_ids
+    heads = {"peagle": llm.drafter, "eagle3": llm.load_head(a.eagle3_head)}
     humaneval = load_prompts("humaneval", limit=a.limit)
     coding = load_prompts("mtbench", category="coding", limit=a.limit)
     sets = {f"HumanEval ({len(humaneval)})": humaneval, f"MT-Bench coding ({len(coding)})": coding}

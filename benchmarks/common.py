@@ -68,9 +68,9 @@ def load_prompts(dataset: str, *, style: str = "chat", category: str | None = No
 
 def encode_prompt(tokenizer, item: dict[str, Any]) -> list[int]:
     if item["kind"] == "chat":
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": item["text"]}], add_generation_prompt=True)
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        return [int(i) for i in ids]
+        from peagle_jax.api import chat_ids
+
+        return chat_ids(tokenizer, item["text"])
     return [int(i) for i in tokenizer.encode(item["text"], add_special_tokens=False)]
 
 

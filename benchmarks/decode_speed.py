@@ -15,6 +15,7 @@ import os
 import platform
 import time
 from pathlib import Path
+from peagle_jax.api import chat_ids
 
 PROMPTS = [
     "Write a Python function that reverses a string.",
@@ -52,8 +53,7 @@ def main() -> None:
     n = args.max_new_tokens
     rows = []
     for text in PROMPTS[: args.prompts]:
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        ids = chat_ids(tok, text)
         speculative_generate(ours, None, [ids], method="none", max_new_tokens=n, eos_token_ids=[])  # compile
         t0 = time.perf_counter()
         r = speculative_generate(ours, None, [ids], method="none", max_new_tokens=n, eos_token_ids=[])

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+from peagle_jax.api import chat_ids
 
 PROMPTS = [
     "Write a Python function that reverses a string.",
@@ -44,8 +45,7 @@ def main() -> None:
     eos = eos_token_ids(tok, path)
     prompts = []
     for text in PROMPTS[: args.prompts]:
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+        prompts.append(chat_ids(tok, text))
 
     def variant(name):
         m = load_target(path, dtype="bfloat16" if name == "bf16" else "float32")

@@ -11,7 +11,6 @@ code runs on one CPU, on fake CPU devices
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 from collections.abc import Mapping
@@ -146,21 +145,34 @@ def sharded_attention(attn_fn, mesh: Mesh, batch: int, num_kv_heads: int, *, fp8
 
 
 def maybe_initialize_distributed() -> bool:
-    """Join a multi-host JAX job when the launcher set the coordinator variables.
+    """Join a multi-host JAX job when the launcher asked for one; True when in one.
 
-    Reads JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (see
-    serve/launch_multihost.sh); on GPU clusters managed by SLURM, plain
-    `jax.distributed.initialize()` auto-detects them instead (PEAGLE_DISTRIBUTED=auto).
+    Every entry point (generate, serve, train) calls this once, before touching devices:
+      * JAX_COORDINATOR_ADDRESS + JAX_NUM_PROCESSES + JAX_PROCESS_ID (serve/launch_multihost.sh);
+      * PEAGLE_DISTRIBUTED=1 (or "auto"): `jax.distributed.initialize()` auto-detects the job
+        (SLURM, TPU pods, ...);
+      * neither: a single-process run.
     """
-    if os.environ.get("PEAGLE_DISTRIBUTED") == "auto":
+    if _distributed_initialized():
+        return True
+    env = os.environ
+    flag = env.get("PEAGLE_DISTRIBUTED", "").strip().lower()
+    if flag not in ("", "0", "1", "auto", "true", "false"):
+        raise ValueError(f"PEAGLE_DISTRIBUTED must be 1/auto (join the detected job) or 0, got {flag!r}")
+    addr = env.get("JAX_COORDINATOR_ADDRESS")
+    if addr:
+        missing = [v for v in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID") if not env.get(v)]
+        if missing:
+            raise ValueError(f"JAX_COORDINATOR_ADDRESS is set but {', '.join(missing)} is not")
+        jax.distributed.initialize(coordinator_address=addr, num_processes=int(env["JAX_NUM_PROCESSES"]),
+                                   process_id=int(env["JAX_PROCESS_ID"]))
+        return True
+    if flag in ("1", "auto", "true"):
         jax.distributed.initialize()
         return True
-    addr = os.environ.get("JAX_COORDINATOR_ADDRESS")
-    if not addr:
-        return False
-    jax.distributed.initialize(
-        coordinator_address=addr,
-        num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
-        process_id=int(os.environ["JAX_PROCESS_ID"]),
-    )
-    return True
+    return False
+
+
+def _distributed_initialized() -> bool:
+    fn = getattr(jax.distributed, "is_initialized", None)
+    return bool(fn()) if fn is not None else False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from peagle_jax.drafters import DrafterConfig, create_drafter
 from peagle_jax.generate import speculative_generate
@@ -88,3 +89,14 @@ def test_smollm2_speculative_with_triton_kernel_equals_reference():
         configure_inference(m, attention="triton", interpret=True)
     out = speculative_generate(target, drafter, prompts, method="peagle", num_draft_tokens=3, max_new_tokens=8)
     assert out.tokens == ref.tokens
+
+
+def test_configure_keeps_options_it_is_not_given():
+    # Old configure_inference(module, kv_cache_dtype=...) silently reset attention to None.
+    from peagle_jax.models.layers import Attention
+
+    target, _ = _pair()
+    configure_inference(target, attention="triton", interpret=True)
+    configure_inference(target, kv_cache_dtype="bfloat16")
+    impls = {n.attn_impl for _, n in nnx.iter_graph(target) if isinstance(n, Attention)}
+    assert impls == {"triton"} and target.kv_cache_dtype == "bfloat16"

@@ -24,6 +24,7 @@ import pytest
 from peagle_jax.generate import speculative_generate
 from peagle_jax.serve import ServeConfig, create_app
 from peagle_jax.serve.testing import free_port, serve_in_thread
+from peagle_jax.api import chat_ids
 
 K = 3
 MAX_LEN = 256
@@ -78,8 +79,7 @@ def _reference(models, prompt_ids: list[list[int]], max_tokens: int) -> list[str
 
 
 def _chat_ids(tok, text):
-    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return chat_ids(tok, text)
 
 
 def _wait_idle(url, timeout=20.0):

@@ -10,6 +10,7 @@ import pytest
 
 from peagle_jax.serve import ServeConfig, create_app
 from peagle_jax.serve.testing import serve_in_thread
+from peagle_jax.api import chat_ids
 
 pytestmark = pytest.mark.slow
 
@@ -33,8 +34,7 @@ def test_default_model_through_the_server(caplog):
                                            messages=[{"role": "user", "content": msg}])
         chunks = list(client.chat.completions.create(model="default", temperature=0, max_tokens=40, stream=True,
                                                      messages=[{"role": "user", "content": msg}]))
-    ids = tok.apply_chat_template([{"role": "user", "content": msg}], add_generation_prompt=True)
-    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    ids = chat_ids(tok, msg)
     ref = speculative_generate(engine_target(app), None, [ids], method="none", max_new_tokens=40,
                                eos_token_ids=list(engine._eos.tolist()))
     text = tok.decode(ref.tokens[0], skip_special_tokens=True)

@@ -8,6 +8,7 @@ import pytest
 from peagle_jax.drafters import DrafterConfig, create_drafter
 from peagle_jax.drafters.reference import ReferenceDrafter
 from peagle_jax.generate import speculative_generate
+from peagle_jax.api import chat_ids
 
 pytestmark = pytest.mark.slow
 
@@ -31,11 +32,9 @@ def smollm2():
     tok = load_tokenizer(path)
     prompts = []
     for i, m in enumerate(MESSAGES):
-        ids = tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        ids = chat_ids(tok, m)
         prompts.append(ids[: len(ids) - i])  # distinct lengths (trimmed prompts still end sensibly)
-    prompts[1] = tok.apply_chat_template([{"role": "user", "content": MESSAGES[1]}], add_generation_prompt=True)
-    prompts[1] = list(prompts[1]["input_ids"] if hasattr(prompts[1], "keys") else prompts[1])
+    prompts[1] = chat_ids(tok, MESSAGES[1])
     return target, prompts, eos_token_ids(tok, path)
 
 

@@ -7,7 +7,8 @@
 * Data-parallel over a `jax.sharding.Mesh` with one `data` axis: batch rows are sharded,
   parameters and optimizer state replicated; the loss is a global count-normalised sum, so it
   does not depend on the number of devices. Multi-host: set JAX_COORDINATOR_ADDRESS,
-  JAX_NUM_PROCESSES and JAX_PROCESS_ID (or PEAGLE_DISTRIBUTED=1 on SLURM / TPU pods) and
+  JAX_NUM_PROCESSES and JAX_PROCESS_ID (or PEAGLE_DISTRIBUTED=1 on SLURM / TPU pods; see
+  peagle_jax.sharding.maybe_initialize_distributed) and
   start the same command on every host; each process builds only its own rows. With disk
   features, run `python -m train.features` once first (on a shared filesystem) so the hosts
   do not extract concurrently.
@@ -28,7 +29,6 @@ Launch example (2 hosts, 8 GPUs each):
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -44,23 +44,13 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from peagle_jax.drafters import DrafterConfig, create_drafter
+from peagle_jax.sharding import maybe_initialize_distributed
 from train.cod import cod_sample
 from train.config import TrainConfig, config_from_argv
 from train.data import PackPlan, pack_row
 from train.features import FeatureStore, ensure_features, open_train_store, load_documents, load_target_and_tokenizer
 from train.objective import Rows, eagle3_loss, peagle_loss
 from train.vocab import draft_ids_from_counts, token_counts, vocab_maps
-
-
-def maybe_initialize_distributed() -> None:
-    env = os.environ
-    if jax.distributed.is_initialized() if hasattr(jax.distributed, "is_initialized") else False:
-        return
-    if env.get("JAX_COORDINATOR_ADDRESS") and env.get("JAX_NUM_PROCESSES"):
-        jax.distributed.initialize(env["JAX_COORDINATOR_ADDRESS"], int(env["JAX_NUM_PROCESSES"]),
-                                   int(env.get("JAX_PROCESS_ID", "0")))
-    elif env.get("PEAGLE_DISTRIBUTED") == "1":
-        jax.distributed.initialize()
 
 
 def make_mesh(n: int) -> Mesh:

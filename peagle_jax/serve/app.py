@@ -10,7 +10,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from peagle_jax.api import LoadedModel, chat_ids
 from peagle_jax.serve.config import DEFAULT_DRAFTER, ServeConfig
 from peagle_jax.serve.engine import Delta, Engine, EngineStopped, Failed, Finished, GenRequest, QueueFull
 from peagle_jax.serve.metrics import Metrics
@@ -28,7 +28,7 @@ from peagle_jax.serve.protocol import ChatCompletionRequest, CompletionRequest, 
 
 log = logging.getLogger("peagle_jax.serve")
 
-__all__ = ["APIError", "LoadedModels", "create_app", "load_models"]
+__all__ = ["APIError", "create_app", "load_models"]
 
 
 # --------------------------------------------------------------------------- errors
@@ -72,58 +72,19 @@ def _validation_to_error(exc: RequestValidationError) -> APIError:
 # --------------------------------------------------------------------------- model loading
 
 
-@dataclass
-class LoadedModels:
-    target: Any
-    drafter: Any
-    method: str
-    tokenizer: Any
-    eos_ids: list[int]
-    served_model_name: str
+def load_models(config: ServeConfig) -> LoadedModel:
+    """Load target, tokenizer and head through the library's front door (`peagle_jax.load`)."""
+    from peagle_jax.api import is_default_model, load
 
-
-def load_models(config: ServeConfig) -> LoadedModels:
-    """Resolve and load target, tokenizer and drafter as the config says (see module README)."""
-    from peagle_jax.checkpoints import load_target
-    from peagle_jax.checkpoints.default_model import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME, resolve_model_path
-    from peagle_jax.checkpoints.tokenizer import eos_token_ids, load_tokenizer
-
-    is_default = config.model is None or config.model.strip().lower() in DEFAULT_MODEL_ALIASES
-    path = resolve_model_path(config.model)
-    t0 = time.perf_counter()
-    target = load_target(path, dtype=config.dtype)
-    tokenizer = load_tokenizer(path)
-    eos = eos_token_ids(tokenizer, path)
-    log.info("loaded target %s in %.1fs", path, time.perf_counter() - t0)
-    name = config.served_model_name or (DEFAULT_MODEL_NAME if is_default else (path.stem if path.is_file() else path.name))
-
-    drafter, method = None, config.method
-    spec = config.drafter
-    if spec is not None and spec.lower() == "none":
-        spec = None
-    elif spec is None and is_default and config.method != "none":
-        from peagle_jax.checkpoints.default_model import default_drafter_path
-
-        shipped = default_drafter_path("peagle")
-        if shipped is not None:
-            spec = str(shipped)
-        else:
-            log.warning(
-                "no trained P-EAGLE head at %s: serving %s WITHOUT speculative decoding (method none). "
-                "Pass --drafter DIR to use a draft head.", DEFAULT_DRAFTER, name)
-            method = "none"
-    if spec is not None and method != "none":
-        from peagle_jax.checkpoints.drafter_io import load_drafter
-
-        drafter = load_drafter(spec, target=target, dtype=config.dtype)
-        if method == "auto":
-            method = "peagle" if drafter.config.parallel_drafting else "eagle3"
-        log.info("loaded drafter %s (method %s)", spec, method)
-    elif method in ("eagle3", "peagle"):
-        raise ValueError(f"method {method!r} needs a drafter (--drafter DIR)")
-    if method == "auto":
-        method = "none"
-    return LoadedModels(target, drafter, method, tokenizer, eos, name)
+    mesh = config.mesh
+    llm = load(config.model, drafter=config.drafter or "auto", method=config.method, dtype=config.dtype,
+               mesh={"data": mesh.data, "model": mesh.model} if mesh.size > 1 else None,
+               attention=config.attention, kv_cache_dtype=config.kv_cache_dtype, fp8_weights=config.fp8_weights,
+               served_model_name=config.served_model_name)
+    if llm.drafter is None and config.drafter is None and config.method == "auto" and is_default_model(config.model):
+        log.warning("no trained P-EAGLE head at %s: serving %s WITHOUT speculative decoding (method none). "
+                    "Pass --drafter DIR to use a draft head.", DEFAULT_DRAFTER, llm.model_name)
+    return llm
 
 
 # --------------------------------------------------------------------------- app
@@ -175,18 +136,18 @@ def create_app(
         m = method or (config.method if config.method != "auto" else None)
         if m is None:
             m = "none" if drafter is None else ("peagle" if drafter.config.parallel_drafting else "eagle3")
-        loaded = LoadedModels(target, drafter, m, tokenizer,
-                              list(eos_ids) if eos_ids is not None else [tokenizer.eos_token_id],
-                              served_model_name or config.served_model_name or "peagle-test")
-    mesh = config.mesh
-    if mesh.size > 1:
-        from peagle_jax.sharding import make_mesh, shard_module
+        loaded = LoadedModel(target=target, tokenizer=tokenizer, drafter=drafter, method=m,
+                             eos_ids=list(eos_ids) if eos_ids is not None else [tokenizer.eos_token_id],
+                             model_path=Path("<injected>"), drafter_path=None,
+                             model_name=served_model_name or config.served_model_name or "peagle-test")
+        if config.mesh.size > 1:  # loaded models are placed by `load`; injected ones here
+            from peagle_jax.sharding import make_mesh, shard_module
 
-        device_mesh = make_mesh({"data": mesh.data, "model": mesh.model})  # raises if too few devices
-        for module in (loaded.target, loaded.drafter):
-            if module is not None:
-                shard_module(module, device_mesh)
-        log.info("sharded target and drafter over mesh %s", mesh)
+            device_mesh = make_mesh({"data": config.mesh.data, "model": config.mesh.model})
+            for module in (loaded.target, loaded.drafter):
+                if module is not None:
+                    shard_module(module, device_mesh)
+            log.info("sharded target and drafter over mesh %s", config.mesh)
     max_len = config.max_model_len or loaded.target.config.max_position_embeddings
     max_len = min(max_len, loaded.target.config.max_position_embeddings) if config.max_model_len is None else max_len
     k = config.num_draft_tokens if loaded.method != "none" else 0
@@ -197,7 +158,7 @@ def create_app(
         max_queue_size=config.max_queue_size, max_prefill_batch=config.max_prefill_batch,
         min_prompt_bucket=config.min_prompt_bucket, seed=config.seed, metrics=metrics,
     )
-    model_name = loaded.served_model_name
+    model_name = loaded.model_name
     model_aliases = {model_name}
     if model_name == "smollm2-135m-instruct":
         model_aliases.add("default")
@@ -262,9 +223,7 @@ def create_app(
 
     def encode_chat(messages: list[dict[str, str]]) -> list[int]:
         with tok_lock:
-            ids = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        return list(ids)
+            return chat_ids(loaded.tokenizer, messages)
 
     def check_common(req: _SamplingRequest) -> None:
         if req.model is not None and req.model not in model_aliases:

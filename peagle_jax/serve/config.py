@@ -67,6 +67,11 @@ class ServeConfig(BaseModel):
     method: Literal["auto", "none", "eagle3", "peagle"] = "auto"
     num_draft_tokens: int = Field(5, ge=1, le=32)
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    attention: Literal["xla", "triton", "mosaic", "auto"] | None = Field(
+        None, description="cache-attention implementation (Pallas kernels on GPU; default: XLA reference)")
+    kv_cache_dtype: Literal["float32", "bfloat16", "float8_e4m3fn"] | None = Field(
+        None, description="KV cache dtype (default: the model dtype)")
+    fp8_weights: bool = Field(False, description="store the target's linear weights in FP8 (e4m3)")
     # --- engine
     max_batch_size: int = Field(8, ge=1, le=1024)
     max_model_len: int | None = Field(2048, ge=2, description="prompt + completion tokens; None = the model's context")
@@ -116,6 +121,9 @@ _FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--method",), dict(choices=("auto", "none", "eagle3", "peagle"))),
     (("-k", "--num-draft-tokens"), dict(type=int)),
     (("--dtype",), dict(choices=("float32", "bfloat16"))),
+    (("--attention",), dict(choices=("xla", "triton", "mosaic", "auto"), help="cache-attention implementation")),
+    (("--kv-cache-dtype",), dict(choices=("float32", "bfloat16", "float8_e4m3fn"))),
+    (("--fp8-weights",), dict(action="store_const", const=True, help="FP8 (e4m3) target linear weights")),
     (("--max-batch-size",), dict(type=int, help="concurrent sequences (batch slots)")),
     (("--max-model-len",), dict(type=int, help="prompt + completion tokens per request")),
     (("--max-queue-size",), dict(type=int, help="waiting requests before answering 429")),

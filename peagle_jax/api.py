@@ -1,0 +1,171 @@
+"""The front door: one call that loads a target, its tokenizer and a draft head, ready to run.
+
+  from peagle_jax import load
+  llm = load()                                   # SmolLM2-135M-Instruct + its shipped P-EAGLE head
+  out = llm.generate([llm.encode_chat("Write a haiku about JAX.")], max_new_tokens=64)
+  print(llm.decode(out.tokens[0]))
+
+`python -m peagle_jax.generate`, `python -m peagle_jax.serve` and the benchmarks call `load`, so
+resolving the model and the head, choosing the method, encoding chat prompts, FP8 / kernel
+options and the device mesh each happen here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("peagle_jax")
+
+#: Methods `load` accepts: the generation methods plus "auto" (from the head: parallel
+#: drafting -> "peagle", else "eagle3"; no head -> "none").
+LOAD_METHODS = ("auto", "none", "eagle3", "peagle")
+
+
+def chat_ids(tokenizer, messages: Sequence[Mapping[str, str]] | str) -> list[int]:
+    """Token ids of a chat prompt (the model's template, generation prompt appended).
+
+    A bare string is one user message. transformers returns a list for some tokenizers and a
+    BatchEncoding for others; both become a plain list of ints here.
+    """
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    return [int(i) for i in ids]
+
+
+def is_default_model(model: str | None) -> bool:
+    from peagle_jax.checkpoints.default_model import DEFAULT_MODEL_ALIASES
+
+    return model is None or model.strip().lower() in DEFAULT_MODEL_ALIASES
+
+
+def resolve_drafter(model: str | None, drafter: str | None, method: str) -> str | None:
+    """Which head to load: an explicit path, none, or ("auto") the default model's shipped head
+    for the method asked for (P-EAGLE unless method is "eagle3")."""
+    if method not in LOAD_METHODS:
+        raise ValueError(f"method must be one of {LOAD_METHODS}, got {method!r}")
+    if drafter is None or drafter.strip().lower() == "none" or method == "none":
+        return None
+    if drafter != "auto":
+        return drafter
+    if not is_default_model(model):
+        return None
+    from peagle_jax.checkpoints.default_model import default_drafter_path
+
+    shipped = default_drafter_path("eagle3" if method == "eagle3" else "peagle")
+    return None if shipped is None else str(shipped)
+
+
+@dataclass
+class LoadedModel:
+    """A target, its tokenizer and (optionally) a draft head, configured and placed."""
+
+    target: Any
+    tokenizer: Any
+    eos_ids: list[int]
+    drafter: Any
+    method: str
+    model_path: Path
+    model_name: str
+    drafter_path: str | None
+    mesh: Any = None
+    options: dict[str, Any] = field(default_factory=dict)  # dtype, attention, kv_cache_dtype
+
+    def load_head(self, spec: str):
+        """Another draft head for this target, with the same dtype, kernel options and mesh
+        (benchmarks comparing heads load the target once)."""
+        from peagle_jax.checkpoints.drafter_io import load_drafter
+        from peagle_jax.models.options import configure_inference
+        from peagle_jax.sharding import shard_module
+
+        head = load_drafter(spec, target=self.target, dtype=self.options.get("dtype", "bfloat16"))
+        configure_inference(head, attention=self.options.get("attention"),
+                            kv_cache_dtype=self.options.get("kv_cache_dtype"))
+        return shard_module(head, self.mesh)
+
+    def encode(self, text: str) -> list[int]:
+        return [int(i) for i in self.tokenizer.encode(text)]
+
+    def encode_chat(self, messages: Sequence[Mapping[str, str]] | str) -> list[int]:
+        return chat_ids(self.tokenizer, messages)
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+    def generate(self, prompts: Sequence[Sequence[int]], **kwargs):
+        """`speculative_generate` with this model's method, head and EOS ids (overridable)."""
+        from peagle_jax.generate import speculative_generate
+
+        kwargs.setdefault("method", self.method)
+        kwargs.setdefault("eos_token_ids", self.eos_ids)
+        return speculative_generate(self.target, self.drafter, prompts, **kwargs)
+
+
+def load(
+    model: str | None = None,
+    *,
+    drafter: str | None = "auto",
+    method: str = "auto",
+    dtype: str = "bfloat16",
+    mesh: str | Mapping[str, int] | None = None,
+    attention: str | None = None,
+    kv_cache_dtype: str | None = None,
+    fp8_weights: bool = False,
+    served_model_name: str | None = None,
+) -> LoadedModel:
+    """Load and configure a target model and its draft head.
+
+    model: a .gguf file, an HF model directory, or None / "default" / "smollm2-135m-instruct"
+      for the built-in SmolLM2-135M-Instruct.
+    drafter: a head directory (AWS/EAGLE-3 or speculators layout), None / "none", or "auto":
+      the shipped head of the default model that matches `method` (none for other models).
+    method: "auto" | "none" | "eagle3" | "peagle" (see LOAD_METHODS).
+    dtype: weights and activations (norms, softmax and logits stay float32).
+    mesh: e.g. "model=4" or "data=2,model=4" (None: one device). A multi-host job is joined
+      first when the launcher's variables say so (`sharding.maybe_initialize_distributed`).
+    attention / kv_cache_dtype / fp8_weights: see `models.options`.
+
+    Raises FileNotFoundError / ValueError with a message naming the bad setting.
+    """
+    from peagle_jax.checkpoints import load_target
+    from peagle_jax.checkpoints.default_model import DEFAULT_MODEL_NAME, resolve_model_path
+    from peagle_jax.checkpoints.tokenizer import eos_token_ids, load_tokenizer
+    from peagle_jax.models.options import configure_inference, quantize_weights_fp8
+    from peagle_jax.sharding import make_mesh, maybe_initialize_distributed, shard_module
+
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    head_spec = resolve_drafter(model, drafter, method)
+    if head_spec is None and method in ("eagle3", "peagle"):
+        raise ValueError(f"method {method!r} needs a draft head (drafter=DIR)"
+                         + ("" if is_default_model(model) else "; only the default model ships one"))
+    maybe_initialize_distributed()
+    model_path = resolve_model_path(model)
+    device_mesh = make_mesh(mesh)
+    t0 = time.perf_counter()
+    target = load_target(model_path, dtype=dtype)
+    tokenizer = load_tokenizer(model_path)
+    if fp8_weights:
+        quantize_weights_fp8(target)
+    configure_inference(target, attention=attention, kv_cache_dtype=kv_cache_dtype)
+    shard_module(target, device_mesh)
+    name = served_model_name or (DEFAULT_MODEL_NAME if is_default_model(model)
+                                 else model_path.stem if model_path.is_file() else model_path.name)
+    llm = LoadedModel(target=target, tokenizer=tokenizer, eos_ids=eos_token_ids(tokenizer, model_path),
+                      drafter=None, method="none", model_path=model_path, model_name=name, drafter_path=head_spec,
+                      mesh=device_mesh, options=dict(dtype=dtype, attention=attention, kv_cache_dtype=kv_cache_dtype))
+    if head_spec is not None:
+        llm.drafter = llm.load_head(head_spec)
+        if method == "peagle" and not llm.drafter.config.parallel_drafting:
+            raise ValueError(f"method 'peagle' needs a parallel-drafting head; {head_spec} drafts sequentially")
+    llm.method = method if method != "auto" else (
+        "none" if llm.drafter is None else "peagle" if llm.drafter.config.parallel_drafting else "eagle3")
+    log.info("loaded %s%s in %.1fs (method %s)", model_path.name, f" + {head_spec}" if head_spec else "",
+             time.perf_counter() - t0, llm.method)
+    return llm

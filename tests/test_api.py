@@ -1,0 +1,101 @@
+"""The front door (`peagle_jax.load`) and the entry-point bugs it fixed, each with a test that
+fails on the old code."""
+
+from __future__ import annotations
+
+import pytest
+
+from peagle_jax.api import chat_ids, resolve_drafter
+from peagle_jax.checkpoints.default_model import DEFAULT_HEADS
+
+
+def test_readme_library_example_runs():
+    from peagle_jax import load, speculative_generate  # noqa: F401  (the public names)
+
+    llm = load()  # SmolLM2-135M-Instruct + its shipped P-EAGLE head
+    out = llm.generate([llm.encode_chat("Write a haiku about JAX.")], max_new_tokens=8)
+    print(llm.decode(out.tokens[0]))
+    assert llm.method == "peagle" and llm.drafter.config.parallel_drafting
+    assert len(out.tokens[0]) == 8 and out.mean_acceptance_length >= 1.0
+
+
+@pytest.mark.parametrize("model", [None, "default", "smollm2-135m-instruct", "SmolLM2-135M-Instruct"])
+def test_every_default_model_alias_gets_the_shipped_head(model):
+    # Old generate: only --model default found the head; "smollm2-135m-instruct" ran without one.
+    assert resolve_drafter(model, "auto", "auto").endswith(DEFAULT_HEADS["peagle"])
+    assert resolve_drafter(model, "auto", "eagle3").endswith(DEFAULT_HEADS["eagle3"])
+    assert resolve_drafter(model, "auto", "none") is None
+    assert resolve_drafter(model, "none", "auto") is None
+
+
+def test_other_models_get_no_head_and_bad_methods_are_named():
+    assert resolve_drafter("/models/other.gguf", "auto", "auto") is None
+    assert resolve_drafter("/models/other.gguf", "/heads/h", "auto") == "/heads/h"
+    with pytest.raises(ValueError, match="method must be one of"):
+        resolve_drafter(None, "auto", "medusa")
+
+
+def test_server_with_method_eagle3_loads_the_eagle3_head():
+    # Old serve/app.py resolved default_drafter_path("peagle") whatever --method said.
+    from peagle_jax.serve.app import load_models
+    from peagle_jax.serve.config import ServeConfig
+
+    llm = load_models(ServeConfig(method="eagle3", dtype="float32"))
+    assert llm.method == "eagle3" and not llm.drafter.config.parallel_drafting
+    assert llm.model_name == "smollm2-135m-instruct"
+
+
+def test_server_config_has_kernel_and_fp8_settings():
+    from peagle_jax.serve.config import build_parser, config_from_args
+
+    cfg = config_from_args(build_parser().parse_args(
+        ["--attention", "xla", "--kv-cache-dtype", "float8_e4m3fn", "--fp8-weights"]))
+    assert (cfg.attention, cfg.kv_cache_dtype, cfg.fp8_weights) == ("xla", "float8_e4m3fn", True)
+
+
+def test_peagle_method_rejects_a_sequential_head():
+    from peagle_jax import load
+
+    with pytest.raises(ValueError, match="parallel-drafting"):
+        load(drafter=resolve_drafter(None, "auto", "eagle3"), method="peagle", dtype="float32")
+
+
+def test_distributed_env_is_read_one_way(monkeypatch):
+    from peagle_jax import sharding
+
+    for v in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "PEAGLE_DISTRIBUTED"):
+        monkeypatch.delenv(v, raising=False)
+    assert sharding.maybe_initialize_distributed() is False
+    monkeypatch.setenv("PEAGLE_DISTRIBUTED", "0")
+    assert sharding.maybe_initialize_distributed() is False
+    monkeypatch.setenv("PEAGLE_DISTRIBUTED", "yes please")
+    with pytest.raises(ValueError, match="PEAGLE_DISTRIBUTED"):
+        sharding.maybe_initialize_distributed()
+    monkeypatch.delenv("PEAGLE_DISTRIBUTED")
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+    with pytest.raises(ValueError, match="JAX_NUM_PROCESSES, JAX_PROCESS_ID"):
+        sharding.maybe_initialize_distributed()
+    # train uses the same function (it had its own copy, where PEAGLE_DISTRIBUTED meant "1" only)
+    import train.train
+
+    assert train.train.maybe_initialize_distributed is sharding.maybe_initialize_distributed
+
+
+def test_chat_ids_accepts_text_or_messages():
+    class Tok:
+        def apply_chat_template(self, messages, add_generation_prompt):
+            assert add_generation_prompt
+            return {"input_ids": [len(messages), 7]}  # a BatchEncoding-like mapping
+
+    assert chat_ids(Tok(), "hi") == [1, 7]
+    assert chat_ids(Tok(), [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]) == [2, 7]
+
+
+def test_generate_cli_with_the_default_model_name(capsys):
+    from peagle_jax.generate.__main__ import main
+
+    rc = main(["--prompt", "Say hi.", "--chat", "--model", "smollm2-135m-instruct", "--max-new-tokens", "4",
+               "--no-warmup", "--dtype", "float32", "-k", "2"])
+    err = capsys.readouterr().err
+    assert rc == 0
+    assert "using the shipped draft head smollm2-135m-peagle" in err and "[peagle]" in err
