@@ -37,14 +37,11 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from peagle_jax.checkpoints import load_target
-    from peagle_jax.checkpoints.default_model import default_model_path
-    from peagle_jax.checkpoints.tokenizer import load_tokenizer
+    from peagle_jax.api import load
     from peagle_jax.generate import speculative_generate
 
-    path = default_model_path()
-    ours = load_target(path)
-    tok = load_tokenizer(path)
+    llm = load(method="none", dtype="float32")
+    ours, tok, path = llm.target, llm.tokenizer, llm.model_path
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32).eval()
     # Both sides ignore EOS and generate exactly n tokens (min_new_tokens would instead mask
     # the EOS logit and change the tokens), so tokens/s and the token check compare like for like.

@@ -91,13 +91,12 @@ def time_forwards(target, rows: list[int], context: int, repeats: int, *, fusion
 
 
 def run(args) -> dict[str, Any]:
-    from peagle_jax.checkpoints import load_target
-    from peagle_jax.checkpoints.default_model import resolve_model_path
+    from peagle_jax.api import load
 
     if args.target == "tiny":
         target = common.tiny_target(256, layers=2, dtype=args.dtype)
     else:
-        target = load_target(resolve_model_path(args.target), dtype=args.dtype)
+        target = load(args.target, method="none", dtype=args.dtype).target
     results = []
     # Configurations interleaved per round of repeats would be fairer; one after the other,
     # each is timed within seconds of the others on an otherwise idle machine.

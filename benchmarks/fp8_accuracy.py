@@ -15,7 +15,6 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
-from peagle_jax.api import chat_ids
 
 PROMPTS = [
     "Write a Python function that reverses a string.",
@@ -34,40 +33,32 @@ def main() -> None:
     ap.add_argument("--out", default="results/fp8_accuracy")
     args = ap.parse_args()
 
-    from peagle_jax.checkpoints import load_target
-    from peagle_jax.checkpoints.default_model import default_model_path
-    from peagle_jax.checkpoints.tokenizer import eos_token_ids, load_tokenizer
+    from peagle_jax.api import load
     from peagle_jax.generate import speculative_generate
-    from peagle_jax.models.options import configure_inference, quantize_weights_fp8
-
-    path = default_model_path()
-    tok = load_tokenizer(path)
-    eos = eos_token_ids(tok, path)
-    prompts = []
-    for text in PROMPTS[: args.prompts]:
-        prompts.append(chat_ids(tok, text))
 
     def variant(name):
-        m = load_target(path, dtype="bfloat16" if name == "bf16" else "float32")
-        if name in ("fp8_kv", "fp8_kv+fp8_weights"):
-            configure_inference(m, kv_cache_dtype="float8_e4m3fn")
-        if name in ("fp8_weights", "fp8_kv+fp8_weights"):
-            quantize_weights_fp8(m)
-        return m
+        return load(drafter=args.head, method="auto" if args.head else "none",
+                    dtype="bfloat16" if name == "bf16" else "float32",
+                    kv_cache_dtype="float8_e4m3fn" if name in ("fp8_kv", "fp8_kv+fp8_weights") else None,
+                    fp8_weights=name in ("fp8_weights", "fp8_kv+fp8_weights"))
+
+    base_llm = variant("fp32")
+    eos = base_llm.eos_ids
+    prompts = [base_llm.encode_chat(text) for text in PROMPTS[: args.prompts]]
 
     def full_logits(m, ids):
         t = jnp.asarray([ids])
         return np.asarray(m(t, jnp.arange(len(ids))[None], m.init_cache(1, 1024)).logits[0])
 
-    base = variant("fp32")
+    base = base_llm.target
     base_out = speculative_generate(base, None, prompts, method="none", max_new_tokens=args.max_new_tokens, eos_token_ids=eos)
     # Score each variant on the fp32 model's own continuations (prompt + its greedy answer).
     seqs = [p + t for p, t in zip(prompts, base_out.tokens)]
     base_logits = [full_logits(base, s) for s in seqs]
-    head = None
     rows = []
     for name in ("fp32", "bf16", "fp8_kv", "fp8_weights", "fp8_kv+fp8_weights"):
-        m = base if name == "fp32" else variant(name)
+        llm = base_llm if name == "fp32" else variant(name)
+        m = llm.target
         errs, agree = [], []
         for s, bl in zip(seqs, base_logits):
             lg = full_logits(m, s)
@@ -80,14 +71,7 @@ def main() -> None:
                    mean_abs_logit_error=float(np.mean([e.mean() for e in errs])),
                    top1_agreement=float(np.mean(agree)), greedy_tokens_before_divergence=same_prefix)
         if args.head:
-            from peagle_jax.checkpoints.drafter_io import load_drafter
-
-            head = load_drafter(args.head, target=m)
-            method = "peagle" if head.config.parallel_drafting else "eagle3"
-            if name in ("fp8_kv", "fp8_kv+fp8_weights"):
-                configure_inference(head, kv_cache_dtype="float8_e4m3fn")
-            r = speculative_generate(m, head, prompts, method=method, num_draft_tokens=args.num_draft_tokens,
-                                     max_new_tokens=args.max_new_tokens, eos_token_ids=eos)
+            r = llm.generate(prompts, num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens)
             row["mean_acceptance_length"] = r.mean_acceptance_length
         rows.append(row)
         print(json.dumps(row))

@@ -87,36 +87,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _load(args):
-    from peagle_jax.checkpoints import load_target
-    from peagle_jax.checkpoints.default_model import default_model_path, resolve_model_path
+    """The target through `peagle_jax.load` (or a tiny random one sharing the tokenizer)."""
+    from peagle_jax.api import LoadedModel, load
+    from peagle_jax.checkpoints.default_model import default_model_path
     from peagle_jax.checkpoints.tokenizer import eos_token_ids, load_tokenizer
 
     if args.target == "tiny":
         tok_path = Path(args.tokenizer) if args.tokenizer else default_model_path()
         tok = load_tokenizer(tok_path)
-        target = common.tiny_target(len(tok), layers=args.tiny_layers, seed=args.seed)
+        llm = LoadedModel.from_target(common.tiny_target(len(tok), layers=args.tiny_layers, seed=args.seed), tok,
+                                      eos_ids=eos_token_ids(tok, tok_path), name="tiny")
         target_path = None
         target_label = f"tiny random llama (vocab {len(tok)}, RANDOM WEIGHTS)"
     else:
-        target_path = resolve_model_path(args.target)
-        tok_path = Path(args.tokenizer) if args.tokenizer else target_path
-        tok = load_tokenizer(tok_path)
-        target = load_target(target_path, dtype=args.dtype)
+        llm = load(args.target, method="none", dtype=args.dtype)
+        if args.tokenizer:
+            llm.tokenizer = load_tokenizer(args.tokenizer)
+            llm.eos_ids = eos_token_ids(llm.tokenizer, Path(args.tokenizer))
+        target_path = llm.model_path
         target_label = f"{target_path} ({args.dtype})"
-    eos = [] if args.ignore_eos else eos_token_ids(tok, tok_path)
-    return target, target_path, target_label, tok, eos
+    eos = [] if args.ignore_eos else llm.eos_ids
+    return llm, target_path, target_label, llm.tokenizer, eos
 
 
-def _drafters(args, target) -> tuple[dict[str, Any], dict[str, str], dict[str, str]]:
+def _drafters(args, llm) -> tuple[dict[str, Any], dict[str, str], dict[str, str]]:
     """{method: drafter}, {method: label}, {method: why skipped}."""
-    from peagle_jax.checkpoints.drafter_io import load_drafter
-
+    target = llm.target
     drafters, labels, skipped = {}, {}, {}
     for method, path in (("peagle", args.peagle_head), ("eagle3", args.eagle3_head)):
         if method not in args.methods:
             continue
         if path:
-            d = load_drafter(path, target=target, dtype=args.dtype)
+            d = llm.load_head(path)
             if method == "peagle" and not d.config.parallel_drafting:
                 raise SystemExit(f"--peagle-head {path} has no parallel drafting (mask_token_id/mask_hidden)")
             drafters[method], labels[method] = d, f"trained head {path}"
@@ -156,8 +158,9 @@ def run(args) -> dict[str, Any]:
     from peagle_jax.generate import speculative_generate
     from peagle_jax.generate.speculative import prompt_bucket
 
-    target, target_path, target_label, tok, eos = _load(args)
-    drafters, head_labels, skipped = _drafters(args, target)
+    llm, target_path, target_label, tok, eos = _load(args)
+    target = llm.target
+    drafters, head_labels, skipped = _drafters(args, llm)
     random_heads = any("RANDOM" in v for v in head_labels.values())
     if random_heads:
         print(f"WARNING: {RANDOM_BANNER}", file=sys.stderr)

@@ -56,18 +56,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _models(args):
-    from peagle_jax.checkpoints import load_target
-    from peagle_jax.checkpoints.default_model import resolve_model_path
-    from peagle_jax.checkpoints.drafter_io import load_drafter
+    from peagle_jax.api import LoadedModel, load
 
     if args.target == "tiny":
-        target = common.tiny_target(256, layers=2)
+        llm = LoadedModel.from_target(common.tiny_target(256, layers=2), name="tiny")
     else:
-        target = load_target(resolve_model_path(args.target), dtype=args.dtype)
+        llm = load(args.target, method="none", dtype=args.dtype)
+    target = llm.target
     drafters = {}
     for method, path in (("peagle", args.peagle_head), ("eagle3", args.eagle3_head)):
         if path:
-            drafters[method] = load_drafter(path, target=target, dtype=args.dtype)
+            drafters[method] = llm.load_head(path)
         elif args.random_heads:
             drafters[method] = common.random_drafter(target, parallel=method == "peagle", seed=1)
     if not drafters:
@@ -77,8 +76,6 @@ def _models(args):
 
 @functools.lru_cache(maxsize=None)
 def _jitted(target_def, drafter_def, method: str, k: int, capacity: int, greedy: bool):
-    import jax
-
     from peagle_jax.generate.speculative import merge_models
     from peagle_jax.generate.steps import (
         DraftSettings, Pending, draft_parallel, draft_sequential, prefill, spec_round, step_jit,

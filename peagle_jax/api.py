@@ -77,6 +77,13 @@ class LoadedModel:
     mesh: Any = None
     options: dict[str, Any] = field(default_factory=dict)  # dtype, attention, kv_cache_dtype
 
+    @classmethod
+    def from_target(cls, target, tokenizer=None, *, eos_ids: Sequence[int] = (), drafter=None, method: str = "none",
+                    name: str = "in-memory", dtype: str = "float32") -> "LoadedModel":
+        """Wrap a model built in memory (tests, tiny random targets) like a loaded one."""
+        return cls(target=target, tokenizer=tokenizer, eos_ids=list(eos_ids), drafter=drafter, method=method,
+                   model_path=Path(name), model_name=name, drafter_path=None, options=dict(dtype=dtype))
+
     def load_head(self, spec: str):
         """Another draft head for this target, with the same dtype, kernel options and mesh
         (benchmarks comparing heads load the target once)."""

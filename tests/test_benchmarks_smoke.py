@@ -57,8 +57,10 @@ def test_offline_without_heads_says_so(tmp_path, capsys):
     from benchmarks import offline
 
     args = offline.parse_args(["--target", "tiny", "--methods", "none", "peagle", "--no-hf-peer"])
+    from peagle_jax.api import LoadedModel
+
     target = offline.common.tiny_target(64, layers=1)
-    drafters, labels, skipped = offline._drafters(args, target)
+    drafters, labels, skipped = offline._drafters(args, LoadedModel.from_target(target))
     assert drafters == {} and "no trained peagle head" in skipped["peagle"] and "--random-heads" in skipped["peagle"]
     assert "--random-heads" in capsys.readouterr().err
 

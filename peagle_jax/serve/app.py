@@ -10,7 +10,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -136,10 +135,10 @@ def create_app(
         m = method or (config.method if config.method != "auto" else None)
         if m is None:
             m = "none" if drafter is None else ("peagle" if drafter.config.parallel_drafting else "eagle3")
-        loaded = LoadedModel(target=target, tokenizer=tokenizer, drafter=drafter, method=m,
-                             eos_ids=list(eos_ids) if eos_ids is not None else [tokenizer.eos_token_id],
-                             model_path=Path("<injected>"), drafter_path=None,
-                             model_name=served_model_name or config.served_model_name or "peagle-test")
+        loaded = LoadedModel.from_target(
+            target, tokenizer, drafter=drafter, method=m,
+            eos_ids=list(eos_ids) if eos_ids is not None else [tokenizer.eos_token_id],
+            name=served_model_name or config.served_model_name or "peagle-test")
         if config.mesh.size > 1:  # loaded models are placed by `load`; injected ones here
             from peagle_jax.sharding import make_mesh, shard_module
 
