@@ -9,6 +9,7 @@ from peagle_jax.api import chat_ids, resolve_drafter
 from peagle_jax.checkpoints.default_model import DEFAULT_HEADS
 
 
+@pytest.mark.slow
 def test_readme_library_example_runs():
     from peagle_jax import load, speculative_generate  # noqa: F401  (the public names)
 
@@ -35,6 +36,7 @@ def test_other_models_get_no_head_and_bad_methods_are_named():
         resolve_drafter(None, "auto", "medusa")
 
 
+@pytest.mark.slow
 def test_server_with_method_eagle3_loads_the_eagle3_head():
     # Old serve/app.py resolved default_drafter_path("peagle") whatever --method said.
     from peagle_jax.serve.app import load_models
@@ -53,6 +55,7 @@ def test_server_config_has_kernel_and_fp8_settings():
     assert (cfg.attention, cfg.kv_cache_dtype, cfg.fp8_weights) == ("xla", "float8_e4m3fn", True)
 
 
+@pytest.mark.slow
 def test_peagle_method_rejects_a_sequential_head():
     from peagle_jax import load
 
@@ -91,6 +94,7 @@ def test_chat_ids_accepts_text_or_messages():
     assert chat_ids(Tok(), [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]) == [2, 7]
 
 
+@pytest.mark.slow
 def test_generate_cli_with_the_default_model_name(capsys):
     from peagle_jax.generate.__main__ import main
 

@@ -24,6 +24,7 @@ def _check_machine(m: dict) -> None:
     assert m["cpu_count"] >= 1 and m["jax_backend"] and m["jax_devices"] and m["jax_version"]
 
 
+@pytest.mark.slow
 def test_offline_random_heads(tmp_path):
     from benchmarks import offline
 
@@ -132,6 +133,7 @@ def test_online_against_real_server(tmp_path):
         assert lvl["ttft_p50"] <= lvl["latency_p50"]
 
 
+@pytest.mark.slow
 def test_round_cost_tiny(tmp_path):
     from benchmarks import round_cost
 
@@ -155,6 +157,7 @@ def test_round_cost_tiny(tmp_path):
     _check_machine(s["machine"])
 
 
+@pytest.mark.slow
 def test_forward_rows_tiny(tmp_path):
     from benchmarks import forward_rows
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # subprocesses with 8 fake devices: minutes
+
 from peagle_jax.sharding import parse_mesh_spec
 
 WORKER = Path(__file__).with_name("sharding_worker.py")

@@ -17,6 +17,7 @@ TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_laye
             num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["peagle", "eagle3"])
 def test_train_end_to_end(tmp_path, method):
     cfg = load_config(None, {

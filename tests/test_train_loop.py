@@ -54,6 +54,7 @@ def test_config_overrides(tmp_path):
         TrainConfig.model_validate(__import__("yaml").safe_load(f.read_text()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["peagle"])
 def test_resume_after_crash_gives_same_losses(tmp_path, method):
     over = {"objective.method": method, "max_steps": 5}
@@ -101,6 +102,7 @@ DP_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_data_parallel_two_fake_devices_matches_one(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     script = DP_SCRIPT.format(tests=str(ROOT / "tests"), tmp=str(tmp_path))
