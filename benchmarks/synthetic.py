@@ -169,6 +169,39 @@ def pick_wrong_every(target_al: float, k: int, budget: int, search: int = 64) ->
     return best
 
 
+def time_interleaved(plans: list, generate, k_of, reference: list[list[int]], repeats: int) -> dict:
+    """Run every plan `repeats` times, rotating the order each repeat (methods interleaved).
+
+    generate(plan) -> GenerationResult; k_of(plan) -> K (0 = plain decoding). Returns, per
+    plan, summed tokens / seconds / rounds / accepted-per-position and whether every output
+    equalled `reference`.
+    """
+    acc: dict = {}
+    for rep in range(repeats):
+        for plan in plans[rep % len(plans):] + plans[: rep % len(plans)]:
+            k = k_of(plan)
+            t0 = time.perf_counter()
+            r = generate(plan)
+            dt = time.perf_counter() - t0
+            st = acc.setdefault(plan, dict(tokens=0, seconds=0.0, rounds=0, accepted=np.zeros(max(k, 1)),
+                                           exact=True))
+            st["tokens"] += int(r.lengths.sum())
+            st["seconds"] += dt
+            st["rounds"] += int(r.rounds.sum())
+            if k:
+                st["accepted"] += r.accepted_per_position
+            st["exact"] &= r.tokens == reference
+    return acc
+
+
+def acceptance_fields(st: dict, k: int) -> dict[str, Any]:
+    """Mean acceptance length and per-position acceptance of `time_interleaved` sums."""
+    if not k:
+        return dict(mean_acceptance_length=1.0)
+    return dict(mean_acceptance_length=(st["rounds"] + st["accepted"].sum()) / st["rounds"],
+                acceptance_per_position=(st["accepted"] / st["rounds"]).tolist())
+
+
 def run(args) -> dict[str, Any]:
     import jax
     from flax import nnx
@@ -218,25 +251,13 @@ def run(args) -> dict[str, Any]:
             d = next(v for (kk, _), v in oracles.items() if kk == k)
             speculative_generate(target, d, prompts, method="peagle", num_draft_tokens=k, **kw)
             compile_s += time.perf_counter() - t0
-        acc: dict[tuple, dict[str, Any]] = {}
-        for rep in range(args.repeats):
-            order = plans[rep % len(plans):] + plans[: rep % len(plans)]
-            for plan in order:
-                method, k, w, sim_al, want = plan
-                t0 = time.perf_counter()
-                if method == "none":
-                    r = speculative_generate(target, None, prompts, method="none", **kw)
-                else:
-                    r = speculative_generate(target, oracles[(k, w)], prompts, method="peagle", num_draft_tokens=k, **kw)
-                dt = time.perf_counter() - t0
-                s = acc.setdefault(plan, dict(tokens=0, seconds=0.0, rounds=0, accepted=np.zeros(max(k, 1)),
-                                              exact=True))
-                s["tokens"] += int(r.lengths.sum())
-                s["seconds"] += dt
-                s["rounds"] += int(r.rounds.sum())
-                if k:
-                    s["accepted"] += r.accepted_per_position
-                s["exact"] &= r.tokens == ref.tokens
+        def generate(plan):
+            method, k, w = plan[:3]
+            if method == "none":
+                return speculative_generate(target, None, prompts, method="none", **kw)
+            return speculative_generate(target, oracles[(k, w)], prompts, method="peagle", num_draft_tokens=k, **kw)
+
+        acc = time_interleaved(plans, generate, lambda plan: plan[1], ref.tokens, args.repeats)
         base = acc[plans[0]]
         base_tok_s = base["tokens"] / base["seconds"]
         for plan, s in acc.items():
@@ -244,13 +265,9 @@ def run(args) -> dict[str, Any]:
             tok_s = s["tokens"] / s["seconds"]
             row = dict(batch_size=bsz, method=method, k=k, wrong_every=w, target_al=want, simulated_al=sim_al,
                        tokens=s["tokens"], seconds=s["seconds"], tok_s=tok_s, speedup_vs_none=tok_s / base_tok_s,
-                       identical_to_reference=bool(s["exact"]))
+                       identical_to_reference=bool(s["exact"]), **acceptance_fields(s, k))
             if k:
-                row["mean_acceptance_length"] = (s["rounds"] + s["accepted"].sum()) / s["rounds"]
-                row["acceptance_per_position"] = (s["accepted"] / s["rounds"]).tolist()
                 row["target_forwards_per_token"] = s["rounds"] / s["tokens"]
-            else:
-                row["mean_acceptance_length"] = 1.0
             rows.append(row)
             print(f"B={bsz} {method:6s} K={k} w={w} AL={row['mean_acceptance_length']:.2f} "
                   f"{tok_s:9.1f} tok/s  x{row['speedup_vs_none']:.2f}  exact={row['identical_to_reference']}")
@@ -311,37 +328,21 @@ def run_replay(args, cfg, target, label: str, init_s: float) -> dict[str, Any]:
             speculative_generate(target, oracles[m], prompts, method=m, num_draft_tokens=k, **kw)
             compile_s += time.perf_counter() - t0
             print(f"compiled B={bsz} {m} K={k} ({time.perf_counter() - t0:.1f} s)", flush=True)
-        acc: dict[tuple, dict[str, Any]] = {}
-        for rep in range(args.repeats):
-            order = plans[rep % len(plans):] + plans[: rep % len(plans)]
-            for plan in order:
-                m, k = plan
-                t0 = time.perf_counter()
-                if m == "none":
-                    r = speculative_generate(target, None, prompts, method="none", **kw)
-                else:
-                    r = speculative_generate(target, oracles[m], prompts, method=m, num_draft_tokens=k, **kw)
-                dt = time.perf_counter() - t0
-                st = acc.setdefault(plan, dict(tokens=0, seconds=0.0, rounds=0, accepted=np.zeros(max(k, 1)),
-                                               exact=True))
-                st["tokens"] += int(r.lengths.sum())
-                st["seconds"] += dt
-                st["rounds"] += int(r.rounds.sum())
-                if k:
-                    st["accepted"] += r.accepted_per_position
-                st["exact"] &= r.tokens == ref.tokens
+        def generate(plan):
+            m, k = plan
+            if m == "none":
+                return speculative_generate(target, None, prompts, method="none", **kw)
+            return speculative_generate(target, oracles[m], prompts, method=m, num_draft_tokens=k, **kw)
+
+        acc = time_interleaved(plans, generate, lambda plan: plan[1], ref.tokens, args.repeats)
         base_tok_s = acc[("none", 0)]["tokens"] / acc[("none", 0)]["seconds"]
         for (m, k), st in acc.items():
             tok_s = st["tokens"] / st["seconds"]
             row = dict(batch_size=bsz, method=m, k=k, tokens=st["tokens"], seconds=st["seconds"], tok_s=tok_s,
                        speedup_vs_none=tok_s / base_tok_s, identical_to_reference=bool(st["exact"]),
-                       ms_per_round=1e3 * st["seconds"] / max(st["rounds"] / bsz, 1))
+                       ms_per_round=1e3 * st["seconds"] / max(st["rounds"] / bsz, 1), **acceptance_fields(st, k))
             if k:
-                row["mean_acceptance_length"] = (st["rounds"] + st["accepted"].sum()) / st["rounds"]
-                row["acceptance_per_position"] = (st["accepted"] / st["rounds"]).tolist()
                 row["replayed_curve"] = curves[m][:k]
-            else:
-                row["mean_acceptance_length"] = 1.0
             rows.append(row)
             print(f"B={bsz} {m:6s} K={k} AL={row['mean_acceptance_length']:.2f} {tok_s:9.1f} tok/s "
                   f"x{row['speedup_vs_none']:.2f} exact={row['identical_to_reference']}", flush=True)

@@ -39,6 +39,13 @@ def chat_ids(tokenizer, messages: Sequence[Mapping[str, str]] | str) -> list[int
     return [int(i) for i in ids]
 
 
+def method_for(drafter) -> str:
+    """The method a head implies: "peagle" for parallel drafting, "eagle3" otherwise, "none" without one."""
+    if drafter is None:
+        return "none"
+    return "peagle" if drafter.config.parallel_drafting else "eagle3"
+
+
 def is_default_model(model: str | None) -> bool:
     from peagle_jax.checkpoints.default_model import DEFAULT_MODEL_ALIASES
 
@@ -171,8 +178,7 @@ def load(
         llm.drafter = llm.load_head(head_spec)
         if method == "peagle" and not llm.drafter.config.parallel_drafting:
             raise ValueError(f"method 'peagle' needs a parallel-drafting head; {head_spec} drafts sequentially")
-    llm.method = method if method != "auto" else (
-        "none" if llm.drafter is None else "peagle" if llm.drafter.config.parallel_drafting else "eagle3")
+    llm.method = method if method != "auto" else method_for(llm.drafter)
     log.info("loaded %s%s in %.1fs (method %s)", model_path.name, f" + {head_spec}" if head_spec else "",
              time.perf_counter() - t0, llm.method)
     return llm

@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from peagle_jax.api import LoadedModel, chat_ids
+from peagle_jax.api import LoadedModel, chat_ids, method_for
 from peagle_jax.serve.config import DEFAULT_DRAFTER, ServeConfig
 from peagle_jax.serve.engine import Delta, Engine, EngineStopped, Failed, Finished, GenRequest, QueueFull
 from peagle_jax.serve.metrics import Metrics
@@ -134,7 +134,7 @@ def create_app(
             raise ValueError("an injected target needs a tokenizer")
         m = method or (config.method if config.method != "auto" else None)
         if m is None:
-            m = "none" if drafter is None else ("peagle" if drafter.config.parallel_drafting else "eagle3")
+            m = method_for(drafter)
         loaded = LoadedModel.from_target(
             target, tokenizer, drafter=drafter, method=m,
             eos_ids=list(eos_ids) if eos_ids is not None else [tokenizer.eos_token_id],
