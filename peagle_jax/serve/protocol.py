@@ -14,7 +14,9 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class _SamplingRequest(BaseModel):
+class SamplingRequest(BaseModel):
+    """Fields shared by completions and chat completions: model, budget and sampling."""
+
     # Unknown fields (user, metadata, ...) are accepted and ignored, as OpenAI-compatible servers do.
     model_config = ConfigDict(extra="ignore")
 
@@ -43,6 +45,11 @@ class _SamplingRequest(BaseModel):
             raise ValueError("stop strings must be non-empty")
         return v
 
+    @property
+    def stream_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk (OpenAI sends one only when asked)."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for a setting this server does not implement."""
         for name in ("presence_penalty", "frequency_penalty"):
@@ -54,7 +61,7 @@ class _SamplingRequest(BaseModel):
         return None
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     prompt: StrictStr | list[StrictStr] | list[StrictInt]
     echo: StrictBool = False
     suffix: StrictStr | None = None
@@ -78,6 +85,12 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, gt=0)
+
+    def token_limit(self) -> tuple[int | None, str]:
+        """(limit, param): max_completion_tokens supersedes the deprecated max_tokens when given."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"

@@ -1,0 +1,43 @@
+"""What the route handlers share: one object per app on `app.state.context`, handed to the
+handlers as a dependency so they stay module-level functions instead of closures."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from fastapi import Request
+
+from peagle_jax.api import chat_ids
+from peagle_jax.serve.config import ServeConfig
+from peagle_jax.serve.engine import Engine
+from peagle_jax.serve.metrics import Metrics
+
+__all__ = ["ServerContext", "get_context"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerContext:
+    engine: Engine
+    config: ServeConfig
+    metrics: Metrics
+    tokenizer: Any
+    model_name: str
+    model_aliases: frozenset[str]  # names a request may use for the served model
+    method: str
+    max_model_len: int
+    created: int  # the model's "created" timestamp: when the app was built
+
+    def encode_text(self, text: str) -> list[int]:
+        # The engine thread decodes with the same tokenizer, which is not thread-safe.
+        with self.engine.tokenizer_lock:
+            return list(self.tokenizer.encode(text))
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        with self.engine.tokenizer_lock:
+            return chat_ids(self.tokenizer, messages)
+
+
+async def get_context(request: Request) -> ServerContext:
+    """FastAPI dependency (async, so it runs on the event loop, not in the thread pool)."""
+    return request.app.state.context
