@@ -11,7 +11,7 @@ question ("how many drafts are accepted?"). On CPU a K+1-row verify costs much m
 decode step (XLA:CPU's matrix-vector path is far faster than its small-M matrix multiply); on
 GPU the two are nearly equal, which is where the paper's speed-ups come from.
 
-  .venv/bin/python benchmarks/round_cost.py [--peagle-head DIR --eagle3-head DIR | --random-heads]
+  .venv/bin/python -m benchmarks.round_cost [--peagle-head DIR --eagle3-head DIR | --random-heads]
       [--ks 3 5 7] [--batch-sizes 1 4] [--context 256] [--repeats 20] [--at-al 2 3]
 
 Writes results/round_cost/round_cost.{json,md}.
@@ -21,13 +21,9 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 import time
 from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
@@ -74,27 +70,27 @@ def _models(args):
     return target, drafters
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted(target_def, drafter_def, method: str, k: int, capacity: int, greedy: bool):
+    from peagle_jax.drafters.drafting import DraftSettings
     from peagle_jax.generate.speculative import merge_models
-    from peagle_jax.generate.steps import (
-        DraftSettings, Pending, draft_parallel, draft_sequential, prefill, spec_round, step_jit,
-    )
+    from peagle_jax.generate.steps import SpecConfig, pending_rows, prefill, spec_round, step_jit
+
+    config = SpecConfig(method, k, greedy, capacity, 64)
 
     def init(ts, ds, tokens, lens, max_new, sp, eos, key):
         target, drafter = merge_models(target_def, ts, drafter_def, ds)
-        return prefill(target, drafter, tokens, lens, method=method, num_draft=k, greedy=greedy, capacity=capacity,
-                       out_size=64, max_new=max_new, sp=sp, eos_ids=eos, key=key)
+        return prefill(target, drafter, tokens, lens, config, max_new=max_new, sp=sp, eos_ids=eos, key=key)
 
     def one_round(ts, ds, state):
         target, drafter = merge_models(target_def, ts, drafter_def, ds)
-        return spec_round(target, drafter, state, method=method, num_draft=k, greedy=greedy)
+        return spec_round(target, drafter, state, config)
 
     def draft_only(ts, ds, state):
         target, drafter = merge_models(target_def, ts, drafter_def, ds)
-        draft = draft_parallel if method == "peagle" else draft_sequential
-        settings = DraftSettings(k, state.key, state.sampling, greedy, target.config.vocab_size)
-        drafts, q, _ = draft(drafter, state.drafter_cache, Pending.of(state), settings)
+        settings = DraftSettings(k, method == "peagle", state.key, state.sampling, greedy,
+                                 target.config.vocab_size, state.out_len)
+        drafts, q, _ = drafter.propose(state.drafter_cache, pending_rows(state), settings)
         return drafts, q
 
     return step_jit(init), step_jit(one_round), (step_jit(draft_only) if method != "none" else None)
@@ -122,7 +118,7 @@ def time_round(target, drafter, method: str, k: int, batch: int, context: int, r
     from flax import nnx
 
     from peagle_jax.generate.speculative import cache_capacity
-    from peagle_jax.generate.steps import SamplingParams
+    from peagle_jax.sampling import SamplingParams
 
     target_def, ts = nnx.split(target)
     drafter_def, ds = nnx.split(drafter) if drafter is not None else (None, None)
@@ -171,8 +167,8 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     common.write_json(out / "round_cost.json", summary)
     al = summary["at_al"]
-    table = [[r["batch_size"], r.get("sampling", "greedy"), r["method"], r["k"] or "-", common.fmt(r["ms_per_round"], 1),
-              common.fmt(r.get("ms_draft"), 1),
+    table = [[r["batch_size"], r.get("sampling", "greedy"), r["method"], r["k"] or "-",
+              common.fmt(r["ms_per_round"], 1), common.fmt(r.get("ms_draft"), 1),
               common.fmt(r["cost_vs_decode"]), *[common.fmt(r.get("speedup_at_al", {}).get(str(a))) for a in al]]
              for r in summary["results"]]
     md = [f"# Round cost vs decode step ({summary['target']}, {summary.get('dtype', 'float32')}, "

@@ -18,12 +18,30 @@ are distributed exactly as if sampled from the (processed) target distribution.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, Key
 
 
-def _greedy_rows(temperature: Float[Array, "B"]) -> Array:
+class SamplingParams(NamedTuple):
+    """Per-sequence sampling settings (arrays, so changing them never recompiles)."""
+
+    temperature: Float[Array, " B"]
+    top_k: Int[Array, " B"]
+    top_p: Float[Array, " B"]
+
+    @classmethod
+    def full(cls, batch: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> SamplingParams:
+        return cls(
+            jnp.full((batch,), temperature, jnp.float32),
+            jnp.full((batch,), top_k, jnp.int32),
+            jnp.full((batch,), top_p, jnp.float32),
+        )
+
+
+def _greedy_rows(temperature: Float[Array, " B"]) -> Array:
     # `<= 0` rather than `== 0` so a stray negative temperature means greedy, not NaN.
     return temperature <= 0.0
 
@@ -42,9 +60,9 @@ FILTER_CANDIDATES = 1024
 
 def process_logits(
     logits: Float[Array, "B R V"],
-    temperature: Float[Array, "B"],
-    top_k: Int[Array, "B"],
-    top_p: Float[Array, "B"],
+    temperature: Float[Array, " B"],
+    top_k: Int[Array, " B"],
+    top_p: Float[Array, " B"],
 ) -> Float[Array, "B R V"]:
     """Distribution the sampler draws from: temperature, then top-k, then top-p, renormalised.
 
@@ -118,17 +136,20 @@ def _filter_keep(x, k, p, filtered):
 
 # Every function that draws random numbers takes either one key for the whole batch or one
 # key per sequence (shape [B]); per-sequence keys make a request's samples depend only on its
-# own seed, whatever else shares the batch (the server's `seed` parameter).
+# own seed, whatever else shares the batch (the server's `seed` parameter). Keys are typed
+# (`jax.random.key`); raw uint32 keys (`jax.random.PRNGKey`) do not fit, as `key.ndim` tells
+# the two cases apart.
+Keys = Key[Array, ""] | Key[Array, " B"]
 
 
-def split_keys(key: PRNGKeyArray, num: int) -> PRNGKeyArray:
+def split_keys(key: Keys, num: int) -> Key[Array, " N"] | Key[Array, "N B"]:
     """`num` keys, indexable as out[i]: shape [num] for one key, [num, B] for per-row keys."""
     if key.ndim == 0:
         return jax.random.split(key, num)
     return jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, num))(key), 1, 0)
 
 
-def sample_from_probs(key: PRNGKeyArray, probs: Float[Array, "B R V"]) -> Int[Array, "B R"]:
+def sample_from_probs(key: Keys, probs: Float[Array, "B R V"]) -> Int[Array, "B R"]:
     """Categorical draw per row. Probs need not be normalised; zero-prob tokens are never drawn."""
     # log(0) -> -inf explicitly, so the Gumbel-max race can never pick a zero-prob token.
     logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
@@ -138,13 +159,13 @@ def sample_from_probs(key: PRNGKeyArray, probs: Float[Array, "B R V"]) -> Int[Ar
     return draw(key, logp).astype(jnp.int32)
 
 
-def _uniform(key: PRNGKeyArray, shape: tuple[int, ...]) -> Float[Array, "..."]:
+def _uniform(key: Keys, shape: tuple[int, ...]) -> Float[Array, "..."]:
     if key.ndim == 0:
         return jax.random.uniform(key, shape, dtype=jnp.float32)
     return jax.vmap(lambda k: jax.random.uniform(k, shape[1:], dtype=jnp.float32))(key)
 
 
-def _num_accepted(accept: Array) -> Int[Array, "B"]:
+def _num_accepted(accept: Array) -> Int[Array, " B"]:
     """Length of the all-True prefix of accept [B, K] (= index of the first rejection)."""
     return jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
 
@@ -152,7 +173,7 @@ def _num_accepted(accept: Array) -> Int[Array, "B"]:
 def accept_greedy(
     draft_tokens: Int[Array, "B K"],
     target_logits: Float[Array, "B K1 V"],
-) -> tuple[Int[Array, "B"], Int[Array, "B"]]:
+) -> tuple[Int[Array, " B"], Int[Array, " B"]]:
     """Greedy verification: accept the longest prefix matching the target argmax.
 
     Returns (num_accepted, next_token); next_token is the target argmax at row
@@ -165,11 +186,11 @@ def accept_greedy(
 
 
 def accept_rejection(
-    key: PRNGKeyArray,
+    key: Keys,
     draft_tokens: Int[Array, "B K"],
     draft_probs: Float[Array, "B K V"] | None,
     target_probs: Float[Array, "B K1 V"],
-) -> tuple[Int[Array, "B"], Int[Array, "B"]]:
+) -> tuple[Int[Array, " B"], Int[Array, " B"]]:
     """Exact speculative sampling: emitted tokens are distributed as target_probs.
 
     Draft x_i is accepted with probability min(1, p_i(x_i) / q_i(x_i)); at the first
@@ -214,14 +235,14 @@ def accept_rejection(
 
 
 def verify(
-    key: PRNGKeyArray,
+    key: Keys,
     draft_tokens: Int[Array, "B K"],
     draft_probs: Float[Array, "B K V"] | None,
     target_logits: Float[Array, "B K1 V"],
-    temperature: Float[Array, "B"],
-    top_k: Int[Array, "B"],
-    top_p: Float[Array, "B"],
-) -> tuple[Int[Array, "B"], Int[Array, "B"]]:
+    temperature: Float[Array, " B"],
+    top_k: Int[Array, " B"],
+    top_p: Float[Array, " B"],
+) -> tuple[Int[Array, " B"], Int[Array, " B"]]:
     """Per-sequence verification: greedy rows by argmax match, others by rejection sampling."""
     n_g, t_g = accept_greedy(draft_tokens, target_logits)
     target_probs = process_logits(target_logits, temperature, top_k, top_p)
@@ -231,11 +252,11 @@ def verify(
 
 
 def draft_from_logits(
-    key: PRNGKeyArray,
+    key: Keys,
     draft_logits: Float[Array, "B K V"],
-    temperature: Float[Array, "B"],
-    top_k: Int[Array, "B"],
-    top_p: Float[Array, "B"],
+    temperature: Float[Array, " B"],
+    top_k: Int[Array, " B"],
+    top_p: Float[Array, " B"],
 ) -> tuple[Int[Array, "B K"], Float[Array, "B K V"]]:
     """Draft tokens and their distribution q, processed with the target's settings.
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.stats
-
-import jax
-import jax.numpy as jnp
+from flax import nnx
 
 from peagle_jax.drafters import DrafterConfig, create_drafter
 from peagle_jax.drafters.reference import ReferenceDrafter
@@ -108,7 +107,8 @@ def test_no_recompile_for_new_prompts_of_same_bucket(target, drafter):
 
 
 def test_bad_arguments(target, drafter):
-    with pytest.raises(ValueError, match="method"):
+    # TypeError: SpecConfig's Literal annotation, when the tests' type checks are on (conftest.py)
+    with pytest.raises((ValueError, TypeError), match="method"):
         speculative_generate(target, drafter, PROMPTS, method="medusa")
     with pytest.raises(ValueError, match="drafter"):
         speculative_generate(target, None, PROMPTS, method="peagle")
@@ -178,3 +178,43 @@ def test_sampling_matches_target_distribution(small_target, method):
     # Drafts were really used: some rounds accepted a draft, some rejected one.
     rate = out.acceptance_rate_per_position[0]
     assert 0.02 < rate < 0.98, rate
+
+
+def test_spec_config_is_the_one_static_setting():
+    from peagle_jax.generate.steps import SpecConfig
+
+    a, b = SpecConfig("peagle", 3, True, 128, 32), SpecConfig("peagle", 3, True, 128, 32)
+    assert a == b and hash(a) == hash(b)  # equal settings reuse one compiled program
+    # TypeError: the Literal annotation, when the tests' type checks are on (conftest.py)
+    with pytest.raises((ValueError, TypeError), match="method must be one of|Literal"):
+        SpecConfig("medusa", 3, True, 128, 32)
+    with pytest.raises(ValueError, match="num_draft_tokens must be >= 1"):
+        SpecConfig("eagle3", 0, True, 128, 32)
+    with pytest.raises(ValueError, match="drafts nothing"):
+        SpecConfig("none", 2, True, 128, 32)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        a.check_drafter(None)
+
+
+class _ConstantProposer(nnx.Module):
+    """A drafter written only against the Proposer interface: always proposes token 3."""
+
+    can_draft_parallel = True
+
+    def project(self, aux):
+        return aux[..., :2]
+
+    def prefill(self, tokens, feats, positions, capacity):
+        return None
+
+    def propose(self, cache, pending, settings):
+        b = pending.tokens.shape[0]
+        return jnp.full((b, settings.num_draft_tokens), 3, jnp.int32), None, cache
+
+
+def test_any_proposer_plugs_into_the_round(target, reference):
+    # No isinstance in the steps: a new kind of drafter needs only the three methods, and
+    # greedy output stays exactly plain decoding's.
+    out = speculative_generate(target, _ConstantProposer(), PROMPTS, method="peagle", num_draft_tokens=3,
+                               max_new_tokens=24, eos_token_ids=[EOS])
+    assert out.tokens == [t[:24] for t in reference.tokens]

@@ -35,7 +35,7 @@ class DrafterConfig:
     def fc_in_features(self) -> int:
         return self.num_aux_layers * self.target_hidden_size
 
-    def replace(self, **changes: Any) -> "DrafterConfig":
+    def replace(self, **changes: Any) -> DrafterConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
@@ -49,7 +49,7 @@ class DrafterConfig:
         draft_vocab_size: int | None = None,
         num_depths: int = 8,
         **overrides: Any,
-    ) -> "DrafterConfig":
+    ) -> DrafterConfig:
         """The drafter shape used by every released head: the target's decoder layer shape."""
         inter = target.intermediate_size or 3 * target.hidden_size  # MoE targets: 3H (speculators)
         fields = dict(

@@ -19,6 +19,7 @@ from jaxtyping import Array, Float, Int
 
 from peagle_jax.cache import KVCache, shard_cache
 from peagle_jax.drafters.config import DrafterConfig
+from peagle_jax.drafters.drafting import DraftResult, DraftSettings, Pending, draft_parallel, draft_sequential
 from peagle_jax.models.layers import MLP, Attention, Linear, RMSNorm, matmul
 
 
@@ -49,20 +50,30 @@ class DrafterLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(h, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, kv, embeds=None):
+    def attention_input(
+        self, x: Float[Array, "B R H"], embeds: Float[Array, "B R H"] | None
+    ) -> tuple[Float[Array, "B R A"], Float[Array, "B R H"]]:
+        """(attention input, residual): layer 0 attends over [norm(embed) | norm(feature)]."""
         if self.first:
             hn = self.hidden_norm(x)
             attn_in = jnp.concatenate([self.input_layernorm(embeds), hn], axis=-1)
-            residual = hn if self.norm_before_residual else x
-        else:
-            attn_in, residual = self.input_layernorm(x), x
+            return attn_in, (hn if self.norm_before_residual else x)
+        return self.input_layernorm(x), x
+
+    def finish(self, residual: Float[Array, "B R H"], attn_out: Float[Array, "B R H"]) -> Float[Array, "B R H"]:
+        """Residual add, then the MLP block (attn_out already through o_proj)."""
+        x = residual + attn_out
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def __call__(self, x, positions, kv, embeds=None):
+        attn_in, residual = self.attention_input(x, embeds)
         a, kv = self.self_attn(attn_in, positions, kv)
-        x = residual + a
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, kv
+        return self.finish(residual, a), kv
 
 
 class Eagle3Drafter(nnx.Module):
+    """The EAGLE-3 head; with `parallel_drafting` also the P-EAGLE one (a `Proposer`)."""
+
     def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs):
         self.config = cfg
         self.mesh = None  # set by peagle_jax.sharding.shard_module
@@ -72,7 +83,8 @@ class Eagle3Drafter(nnx.Module):
         self.fc = Linear(cfg.fc_in_features, cfg.hidden_size, bias=False, dtype=dtype, rngs=rngs)
         self.layers = nnx.List([DrafterLayer(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.lm_head = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.hidden_size, cfg.draft_vocab_size), dtype))
+        self.lm_head = nnx.Param(
+            0.02 * jax.random.normal(rngs.params(), (cfg.hidden_size, cfg.draft_vocab_size), dtype))
         self.d2t = VocabMap(jnp.zeros((cfg.draft_vocab_size,), jnp.int32))
         # Placeholder feature for parallel-drafting slots, in the pre-fc (3 * H_t) space.
         self.mask_hidden = (
@@ -90,7 +102,24 @@ class Eagle3Drafter(nnx.Module):
         """Target taps (concatenated) -> drafter feature space."""
         return self.fc(aux.astype(self.fc.kernel.dtype))
 
-    def mask_feature(self) -> Float[Array, "H"]:
+    @property
+    def can_draft_parallel(self) -> bool:
+        return self.config.mask_token_id is not None and self.mask_hidden is not None
+
+    def prefill(self, tokens: Int[Array, "B T"], feats: Float[Array, "B T H"], positions: Int[Array, "B T"],
+                capacity: int) -> KVCache:
+        """A fresh cache holding the prompt rows (token p+1 with the feature of position p)."""
+        cache = self.init_cache(tokens.shape[0], capacity)
+        return self(tokens, feats, positions, cache, logit_rows=jnp.zeros((tokens.shape[0], 1), jnp.int32)).cache
+
+    def propose(self, cache: KVCache, pending: Pending, settings: DraftSettings) -> DraftResult:
+        """K drafts: one parallel forward (P-EAGLE) or K sequential ones (EAGLE-3)."""
+        if settings.parallel and self.mask_hidden is None:
+            raise ValueError("P-EAGLE drafting needs a head built for parallel drafting (mask_hidden)")
+        draft = draft_parallel if settings.parallel else draft_sequential
+        return draft(self, cache, pending, settings)
+
+    def mask_feature(self) -> Float[Array, " H"]:
         if self.mask_hidden is None:
             raise ValueError("this drafter has no mask_hidden: it was not built for parallel drafting")
         return self.fc(self.mask_hidden[...])

@@ -19,12 +19,15 @@ the timing includes the drafting cost, the acceptance is the replayed one.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
+
+from peagle_jax.cache import KVCache
+from peagle_jax.drafters.drafting import DraftResult, DraftSettings, Pending
 
 
 class ReferenceTokens(nnx.Variable):
@@ -62,7 +65,8 @@ class ReferenceDrafter(nnx.Module):
     acceptance: cumulative per-position acceptance to replay instead (see the module doc);
       its length bounds K (slots past it are always wrong).
     head: optional real drafter whose forward passes run every round (drafting cost); the
-      round then uses `draft_parallel` or `draft_sequential` on it by the method.
+      round then drafts with it (parallel or sequential, by the method) and overlays the
+      oracle's tokens on its drafts.
     """
 
     def __init__(self, reference: np.ndarray, vocab_size: int, *, wrong_every: int = 0, pad: int = 64,
@@ -86,12 +90,29 @@ class ReferenceDrafter(nnx.Module):
         self.use_schedule.value = jnp.asarray(acceptance is not None)
         self.conditional.value = jnp.asarray(cond, jnp.float32)
 
-    def project(self, aux):
+    def project(self, aux: Float[Array, "B T A"]) -> Float[Array, "B T H"]:
         if self.head is not None:
             return self.head.project(aux)
         return aux[..., :1]  # keep the pending-feature plumbing cheap
 
-    def propose(self, out_len: Int[Array, "B"], num_draft: int) -> Int[Array, "B K"]:
+    @property
+    def can_draft_parallel(self) -> bool:
+        return self.head is None or self.head.can_draft_parallel
+
+    def prefill(self, tokens: Int[Array, "B T"], feats: Float[Array, "B T H"], positions: Int[Array, "B T"],
+                capacity: int) -> KVCache | None:
+        """The head's prompt cache (its cost is part of what a head-driven oracle measures)."""
+        return None if self.head is None else self.head.prefill(tokens, feats, positions, capacity)
+
+    def propose(self, cache: KVCache | None, pending: Pending, settings: DraftSettings) -> DraftResult:
+        """The oracle's drafts (q None: a point mass), after the head's own drafting if any."""
+        if self.head is None:
+            return self.tokens_at(settings.out_len, settings.num_draft_tokens), None, cache
+        drafted, _, cache = self.head.propose(cache, pending, settings)
+        return self.overlay(drafted, settings.out_len), None, cache
+
+    def tokens_at(self, out_len: Int[Array, " B"], num_draft: int) -> Int[Array, "B K"]:
+        """Reference tokens for output positions out_len.. out_len+K-1, wrong where scheduled."""
         pos = out_len[:, None] + jnp.arange(num_draft)[None, :]
         ref = self.reference[...]
         pos = jnp.minimum(pos, ref.shape[1] - 1)
@@ -106,7 +127,7 @@ class ReferenceDrafter(nnx.Module):
         wrong = jnp.where(self.use_schedule[...], replay_wrong, wrong)
         return jnp.where(wrong, (tokens + 1) % self.vocab_size, tokens)
 
-    def overlay(self, drafted: Int[Array, "B K"], out_len: Int[Array, "B"]) -> Int[Array, "B K"]:
+    def overlay(self, drafted: Int[Array, "B K"], out_len: Int[Array, " B"]) -> Int[Array, "B K"]:
         """The oracle's tokens, kept data-dependent on the head's drafts so its compute stays."""
-        oracle = self.propose(out_len, drafted.shape[1])
+        oracle = self.tokens_at(out_len, drafted.shape[1])
         return jnp.where(drafted < 0, drafted, oracle)  # ids are never negative

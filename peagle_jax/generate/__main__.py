@@ -21,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft head directory (AWS/EAGLE-3 or speculators layout) or 'none'; default: the default "
                         "model's shipped head for --method")
     p.add_argument("--method", choices=("none", "eagle3", "peagle"), default=None,
-                   help="default: peagle for a parallel-drafting head, eagle3 for a sequential one, none without a head")
+                   help="default: peagle for a parallel-drafting head, eagle3 for a sequential one, "
+                        "none without a head")
     p.add_argument("-k", "--num-draft-tokens", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from peagle_jax.drafters.eagle3 import Eagle3Drafter
-from peagle_jax.generate.steps import METHODS, SamplingParams, prefill, spec_round, step_jit
+from peagle_jax.generate.steps import SpecConfig, prefill, spec_round, step_jit
+from peagle_jax.sampling import SamplingParams
 
 
 @dataclasses.dataclass
@@ -63,20 +63,12 @@ def merge_models(target_def, target_state, drafter_def, drafter_state):
     return target, drafter
 
 
-@functools.partial(
-    step_jit,
-    static_argnames=("target_def", "drafter_def", "method", "num_draft", "greedy", "capacity", "out_size"),
-)
-def _generate_jit(
-    target_state, drafter_state, tokens, prompt_lens, max_new, sp, eos_ids, key,
-    *, target_def, drafter_def, method, num_draft, greedy, capacity, out_size,
-):
+@functools.partial(step_jit, static_argnames=("target_def", "drafter_def", "config"))
+def _generate_jit(target_state, drafter_state, tokens, prompt_lens, max_new, sp, eos_ids, key,
+                  *, target_def, drafter_def, config: SpecConfig):
     target, drafter = merge_models(target_def, target_state, drafter_def, drafter_state)
-    state = prefill(
-        target, drafter, tokens, prompt_lens, method=method, num_draft=num_draft, greedy=greedy,
-        capacity=capacity, out_size=out_size, max_new=max_new, sp=sp, eos_ids=eos_ids, key=key,
-    )
-    body = functools.partial(spec_round, target, drafter, method=method, num_draft=num_draft, greedy=greedy)
+    state = prefill(target, drafter, tokens, prompt_lens, config, max_new=max_new, sp=sp, eos_ids=eos_ids, key=key)
+    body = functools.partial(spec_round, target, drafter, config=config)
     state = jax.lax.while_loop(lambda s: jnp.any(~s.done), body, state)
     return state.output, state.out_len, state.hit_eos, state.rounds, state.accepted_per_pos
 
@@ -103,33 +95,26 @@ def speculative_generate(
     Greedy output (temperature 0) is token-identical to plain greedy decoding of `target`;
     sampled output follows the target's processed distribution exactly.
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if method != "none" and drafter is None:
-        raise ValueError(f"method={method!r} needs a drafter")
-    if method == "peagle" and isinstance(drafter, Eagle3Drafter) and drafter.config.mask_token_id is None:
-        raise ValueError("method='peagle' needs a drafter with parallel drafting (mask_token_id, mask_hidden)")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token lists")
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    k = num_draft_tokens if method != "none" else 0
-    if method != "none" and k < 1:
-        raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
     b = len(prompts)
     t = prompt_bucket(max(len(p) for p in prompts), min_bucket)
+    k = num_draft_tokens if method != "none" else 0
+    config = SpecConfig(method, k, temperature == 0.0, cache_capacity(t, max_new_tokens, k), max_new_tokens)
+    config.check_drafter(drafter)
+    max_ctx = target.config.max_position_embeddings
+    if t + max_new_tokens > max_ctx:
+        raise ValueError(f"prompt bucket {t} + max_new_tokens {max_new_tokens} exceeds the model's context {max_ctx}")
     tokens = np.zeros((b, t), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
     lens = np.array([len(p) for p in prompts], np.int32)
-    max_ctx = target.config.max_position_embeddings
-    if t + max_new_tokens > max_ctx:
-        raise ValueError(f"prompt bucket {t} + max_new_tokens {max_new_tokens} exceeds the model's context {max_ctx}")
-    capacity = cache_capacity(t, max_new_tokens, k)
     target_def, target_state = nnx.split(target)
-    if drafter is not None and method != "none":
+    if config.uses_drafter:
         drafter_def, drafter_state = nnx.split(drafter)
     else:
         drafter_def, drafter_state = None, None
@@ -138,8 +123,7 @@ def speculative_generate(
     output, out_len, hit_eos, rounds, hist = _generate_jit(
         target_state, drafter_state, jnp.asarray(tokens), jnp.asarray(lens),
         jnp.full((b,), max_new_tokens, jnp.int32), sp, jnp.asarray(eos), jax.random.split(jax.random.key(seed), b),
-        target_def=target_def, drafter_def=drafter_def, method=method, num_draft=k,
-        greedy=temperature == 0.0, capacity=capacity, out_size=max_new_tokens,
+        target_def=target_def, drafter_def=drafter_def, config=config,
     )
     output, out_len, hit_eos = np.asarray(output), np.asarray(out_len), np.asarray(hit_eos)
     return GenerationResult(

@@ -22,24 +22,25 @@ One round = draft -> verify -> accept -> commit:
 
 Every function has static shapes; finished sequences keep computing but never advance.
 `prefill` and `spec_round` are the step API that `speculative_generate` loops over and the
-server drives slot by slot.
+server drives slot by slot. Their static settings are one `SpecConfig` (K is
+`num_draft_tokens` everywhere); the drafter is any `drafters.drafting.Proposer`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from peagle_jax import sampling
 from peagle_jax.cache import KVCache
-from peagle_jax.drafters.eagle3 import Eagle3Drafter
-from peagle_jax.drafters.reference import ReferenceDrafter
+from peagle_jax.drafters.drafting import DraftSettings, Pending, Proposer, pad_rows
 from peagle_jax.models.transformer import CausalLM
+from peagle_jax.sampling import SamplingParams
 
 Method = Literal["none", "eagle3", "peagle"]
 METHODS = ("none", "eagle3", "peagle")
@@ -56,20 +57,42 @@ STEP_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION
 step_jit = functools.partial(jax.jit, compiler_options=STEP_COMPILER_OPTIONS)
 
 
-class SamplingParams(NamedTuple):
-    """Per-sequence sampling settings (arrays, so changing them never recompiles)."""
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """The static settings of a speculative program: everything jit specializes on.
 
-    temperature: Float[Array, "B"]
-    top_k: Int[Array, "B"]
-    top_p: Float[Array, "B"]
+    One hashable value instead of loose static arguments, so every jit site (generate, the
+    server's prefill and round, the benchmarks) compiles the same program for the same
+    settings. `num_draft_tokens` is K, the drafts per round (0 for method "none").
+    """
 
-    @classmethod
-    def full(cls, batch: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0):
-        return cls(
-            jnp.full((batch,), temperature, jnp.float32),
-            jnp.full((batch,), top_k, jnp.int32),
-            jnp.full((batch,), top_p, jnp.float32),
-        )
+    method: Method
+    num_draft_tokens: int
+    greedy: bool
+    capacity: int  # KV rows per sequence
+    out_size: int  # output buffer per sequence
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.method == "none" and self.num_draft_tokens != 0:
+            raise ValueError(f"method 'none' drafts nothing: num_draft_tokens must be 0, got {self.num_draft_tokens}")
+        if self.method != "none" and self.num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1 for method {self.method!r}, got {self.num_draft_tokens}")
+        if self.capacity < 1 or self.out_size < 1:
+            raise ValueError(f"capacity and out_size must be >= 1, got {self.capacity} and {self.out_size}")
+
+    @property
+    def uses_drafter(self) -> bool:
+        return self.method != "none"
+
+    def check_drafter(self, drafter: Proposer | None) -> None:
+        """A clear error when `drafter` cannot draft for this method."""
+        if self.uses_drafter and drafter is None:
+            raise ValueError(f"method {self.method!r} needs a drafter")
+        if self.method == "peagle" and not drafter.can_draft_parallel:
+            raise ValueError("method 'peagle' needs a head built for parallel drafting (P-EAGLE: mask_token_id and "
+                             "mask_hidden); this one drafts sequentially only (EAGLE-3)")
 
 
 class SpecState(NamedTuple):
@@ -77,129 +100,33 @@ class SpecState(NamedTuple):
 
     target_cache: KVCache  # lengths = n_b
     drafter_cache: KVCache | None
-    last_token: Int[Array, "B"]
+    last_token: Int[Array, " B"]
     pending_tokens: Int[Array, "B W"]  # W = K + 1
     pending_feats: Float[Array, "B W H"] | None  # drafter-space features (after fc)
-    num_pending: Int[Array, "B"]
+    num_pending: Int[Array, " B"]
     output: Int[Array, "B N"]  # generated tokens (N = output buffer size)
-    out_len: Int[Array, "B"]
-    max_new: Int[Array, "B"]  # per-sequence token budget (<= N)
-    done: Bool[Array, "B"]
-    hit_eos: Bool[Array, "B"]
-    rounds: Int[Array, "B"]  # target forwards after prefill, while active
+    out_len: Int[Array, " B"]
+    max_new: Int[Array, " B"]  # per-sequence token budget (<= N)
+    done: Bool[Array, " B"]
+    hit_eos: Bool[Array, " B"]
+    rounds: Int[Array, " B"]  # target forwards after prefill, while active
     accepted_per_pos: Int[Array, "B K"]  # rounds in which draft position i was accepted
     sampling: SamplingParams
-    eos_ids: Int[Array, "E"]
+    eos_ids: Int[Array, " E"]
     key: jax.Array  # one PRNG key per sequence, [B]
-    round_idx: Int[Array, ""]
 
 
-# --------------------------------------------------------------------------- drafting
-
-
-class Pending(NamedTuple):
-    """The rows the next draft step feeds to the drafter (see the module docstring)."""
-
-    tokens: Int[Array, "B W"]
-    feats: Float[Array, "B W H"]
-    count: Int[Array, "B"]  # C valid rows per sequence
-    base: Int[Array, "B"]  # position of row 0 (n_b - C)
-
-    @classmethod
-    def of(cls, state: SpecState) -> "Pending":
-        n = state.target_cache.lengths
-        return cls(state.pending_tokens, state.pending_feats, state.num_pending, n - state.num_pending)
-
-
-class DraftSettings(NamedTuple):
-    """What every draft step needs besides the drafter, its cache and the pending rows."""
-
-    num_draft: int
-    key: jax.Array
-    sampling: SamplingParams
-    greedy: bool
-    vocab: int  # target vocabulary size (q is scattered to it when sampling)
-
-
-def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
-    pad = rows - x.shape[1]
-    if pad <= 0:
-        return x[:, :rows]
-    widths = [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
-    return jnp.pad(x, widths)
-
-
-def _draft_tokens_from_logits(
-    drafter: Eagle3Drafter, logits: Float[Array, "B K Vd"], key, sp: SamplingParams, greedy: bool, vocab: int
-) -> tuple[Int[Array, "B K"], Float[Array, "B K V"] | None]:
-    """Draft ids (target vocabulary) and, when sampling, q over the target vocabulary."""
-    if greedy:
-        return drafter.to_target_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32)), None
-    draft_ids, q_draft = sampling.draft_from_logits(key, logits, sp.temperature, sp.top_k, sp.top_p)
-    target_ids = drafter.to_target_ids(draft_ids)
-    # q over the target vocabulary: draft-vocab probabilities scattered to their target ids.
-    vocab_ids = drafter.to_target_ids(jnp.arange(logits.shape[-1]))
-    q_full = jnp.zeros(logits.shape[:2] + (vocab,), jnp.float32).at[..., vocab_ids].set(q_draft)
-    return target_ids, q_full
-
-
-def draft_parallel(
-    drafter: Eagle3Drafter, cache: KVCache, pending: Pending, ds: DraftSettings
-) -> tuple[Int[Array, "B K"], Float[Array, "B K V"] | None, KVCache]:
-    """P-EAGLE: K drafts from ONE forward over [pending | K-1 mask slots]."""
-    cfg = drafter.config
-    k = ds.num_draft
-    rows = pending.tokens.shape[1] + k - 1
-    j = jnp.arange(rows)[None, :]
-    c = pending.count[:, None]
-    is_pending = j < c
-    tokens = jnp.where(is_pending, _pad_rows(pending.tokens, rows), cfg.mask_token_id)
-    mask_feat = drafter.mask_feature().astype(pending.feats.dtype)
-    feats = jnp.where(is_pending[..., None], _pad_rows(pending.feats, rows), mask_feat)
-    positions = pending.base[:, None] + j
-    logit_rows = c - 1 + jnp.arange(k)[None, :]  # last pending row + K-1 mask rows
-    out = drafter(tokens, feats, positions, cache, logit_rows=logit_rows)
-    drafts, q = _draft_tokens_from_logits(drafter, out.logits, ds.key, ds.sampling, ds.greedy, ds.vocab)
-    return drafts, q, out.cache
-
-
-def draft_sequential(
-    drafter: Eagle3Drafter, cache: KVCache, pending: Pending, ds: DraftSettings
-) -> tuple[Int[Array, "B K"], Float[Array, "B K V"] | None, KVCache]:
-    """EAGLE-3: one forward over the pending rows, then K-1 single-row forwards."""
-    b, w = pending.tokens.shape
-    c = pending.count[:, None]
-    positions = pending.base[:, None] + jnp.arange(w)[None, :]
-    keys = sampling.split_keys(ds.key, ds.num_draft)
-
-    def sample(logits, key):
-        return _draft_tokens_from_logits(drafter, logits, key, ds.sampling, ds.greedy, ds.vocab)
-
-    out = drafter(pending.tokens, pending.feats, positions, cache, logit_rows=c - 1)
-    tok, q = sample(out.logits, keys[0])
-    hidden = jnp.take_along_axis(out.prenorm, (c - 1)[..., None], axis=1)  # [B, 1, H]
-    last_pos = pending.base + pending.count - 1
-
-    def step(carry, i):
-        cache, tok, hidden = carry
-        o = drafter(tok, hidden, (last_pos + i)[:, None], cache, logit_rows=jnp.zeros((b, 1), jnp.int32))
-        nt, nq = sample(o.logits, keys[i])
-        return (o.cache, nt, o.prenorm), (nt[:, 0], None if nq is None else nq[:, 0])
-
-    cache = out.cache
-    if ds.num_draft == 1:
-        return tok, q, cache
-    (cache, _, _), (toks, qs) = jax.lax.scan(step, (cache, tok, hidden), jnp.arange(1, ds.num_draft))
-    drafts = jnp.concatenate([tok, toks.T], axis=1)
-    probs = None if q is None else jnp.concatenate([q, jnp.moveaxis(qs, 0, 1)], axis=1)
-    return drafts, probs, cache
+def pending_rows(state: SpecState) -> Pending:
+    """The rows accepted last round, which the next draft step feeds to the drafter."""
+    n = state.target_cache.lengths
+    return Pending(state.pending_tokens, state.pending_feats, state.num_pending, n - state.num_pending)
 
 
 # --------------------------------------------------------------------------- target steps
 
 
 def verify_forward(
-    target: CausalLM, cache: KVCache, last_token: Int[Array, "B"], drafts: Int[Array, "B K"], *, return_aux: bool
+    target: CausalLM, cache: KVCache, last_token: Int[Array, " B"], drafts: Int[Array, "B K"], *, return_aux: bool
 ):
     """ONE target forward over [last_token, d_1..d_K] at positions n..n+K."""
     tokens = jnp.concatenate([last_token[:, None], drafts], axis=1)
@@ -210,9 +137,9 @@ def verify_forward(
 def _commit(
     state: SpecState,
     emitted: Int[Array, "B R"],
-    num_new: Int[Array, "B"],
+    num_new: Int[Array, " B"],
     capacity_limit: int,
-) -> tuple[Int[Array, "B N"], Int[Array, "B"], Bool[Array, "B"], Bool[Array, "B"]]:
+) -> tuple[Int[Array, "B N"], Int[Array, " B"], Bool[Array, " B"], Bool[Array, " B"]]:
     """Append up to `num_new` tokens per sequence, stopping at EOS and at the budget."""
     r = emitted.shape[1]
     j = jnp.arange(r)[None, :]
@@ -238,64 +165,55 @@ def _select(active, new, old):
     return jnp.where(m, new, old)
 
 
-def spec_round(
-    target: CausalLM,
-    drafter: Eagle3Drafter | None,
-    state: SpecState,
-    *,
-    method: Method,
-    num_draft: int,
-    greedy: bool,
-) -> SpecState:
+def _plain_step(target: CausalLM, state: SpecState, key: jax.Array, greedy: bool):
+    """Method "none": one 1-row target forward, the next token sampled from it."""
+    b = state.last_token.shape[0]
+    out = verify_forward(target, state.target_cache, state.last_token, jnp.zeros((b, 0), jnp.int32),
+                         return_aux=False)
+    if greedy:
+        nxt = jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)
+    else:
+        sp = state.sampling
+        probs = sampling.process_logits(out.logits, sp.temperature, sp.top_k, sp.top_p)
+        nxt = sampling.sample_from_probs(key, probs)[:, 0]
+    return out, jnp.zeros_like(nxt), nxt
+
+
+def spec_round(target: CausalLM, drafter: Proposer | None, state: SpecState, config: SpecConfig) -> SpecState:
     """One speculative round over the whole batch (finished sequences are frozen)."""
     active = ~state.done
     # Per-sequence keys advanced by the sequence's own round count: a request's samples
     # depend only on its seed, not on when it joined the batch or who else is in it.
     key = jax.vmap(jax.random.fold_in)(state.key, state.rounds)
     k_draft, k_verify = sampling.split_keys(key, 2)
-    sp = state.sampling
-    vocab = target.config.vocab_size
-    tcache = state.target_cache
-    n = tcache.lengths
+    k = config.num_draft_tokens
+    n = state.target_cache.lengths
 
-    if method == "none":
-        out = verify_forward(target, tcache, state.last_token, jnp.zeros((n.shape[0], 0), jnp.int32), return_aux=False)
-        if greedy:
-            nxt = jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)
-        else:
-            probs = sampling.process_logits(out.logits, sp.temperature, sp.top_k, sp.top_p)
-            nxt = sampling.sample_from_probs(k_verify, probs)[:, 0]
-        m = jnp.zeros_like(n)
+    if not config.uses_drafter:
+        out, m, nxt = _plain_step(target, state, k_verify, config.greedy)
         emitted = nxt[:, None]
         dcache, pend_tok, pend_feat = state.drafter_cache, state.pending_tokens, state.pending_feats
     else:
-        oracle = drafter if isinstance(drafter, ReferenceDrafter) else None
-        head = oracle.head if oracle is not None else drafter
-        if head is None:
-            drafts, q, dcache = oracle.propose(state.out_len, num_draft), None, state.drafter_cache
-        else:
-            draft_fn = draft_parallel if method == "peagle" else draft_sequential
-            drafts, q, dcache = draft_fn(head, state.drafter_cache, Pending.of(state),
-                                         DraftSettings(num_draft, k_draft, sp, greedy, vocab))
-            if oracle is not None:  # drafting cost of the real head, acceptance of the oracle
-                drafts, q = oracle.overlay(drafts, state.out_len), None
-        out = verify_forward(target, tcache, state.last_token, drafts, return_aux=True)
-        if greedy:
+        sp = state.sampling
+        settings = DraftSettings(k, config.method == "peagle", k_draft, sp, config.greedy,
+                                 target.config.vocab_size, state.out_len)
+        drafts, q, dcache = drafter.propose(state.drafter_cache, pending_rows(state), settings)
+        out = verify_forward(target, state.target_cache, state.last_token, drafts, return_aux=True)
+        if config.greedy:
             m, nxt = sampling.accept_greedy(drafts, out.logits)
         else:
             m, nxt = sampling.verify(k_verify, drafts, q, out.logits, sp.temperature, sp.top_k, sp.top_p)
-        rows = jnp.arange(num_draft + 1)[None, :]
-        emitted = jnp.where(rows == m[:, None], nxt[:, None], _pad_rows(drafts, num_draft + 1))
+        rows = jnp.arange(k + 1)[None, :]
+        emitted = jnp.where(rows == m[:, None], nxt[:, None], pad_rows(drafts, k + 1))
         pend_tok = _select(active, emitted, state.pending_tokens)
         pend_feat = _select(active, drafter.project(out.aux_hidden), state.pending_feats)
 
-
     num_new = m + 1
-    output, out_len, done, hit_eos = _commit(state, emitted, num_new, num_draft + 1)
+    output, out_len, done, hit_eos = _commit(state, emitted, num_new, k + 1)
     new_len = jnp.where(active, n + num_new, n)
     hist = state.accepted_per_pos
-    if num_draft:
-        hist = hist + (active[:, None] & (jnp.arange(num_draft)[None, :] < m[:, None])).astype(jnp.int32)
+    if k:
+        hist = hist + (active[:, None] & (jnp.arange(k)[None, :] < m[:, None])).astype(jnp.int32)
     return state._replace(
         target_cache=out.cache.with_lengths(new_len),
         drafter_cache=dcache,
@@ -309,27 +227,29 @@ def spec_round(
         hit_eos=hit_eos,
         rounds=state.rounds + active.astype(jnp.int32),
         accepted_per_pos=hist,
-        round_idx=state.round_idx + 1,
     )
 
 
 # --------------------------------------------------------------------------- prefill
 
 
+def _first_token(logits: Float[Array, "B 1 V"], sp: SamplingParams, key: jax.Array, greedy: bool) -> Int[Array, " B"]:
+    if greedy:
+        return jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+    probs = sampling.process_logits(logits, sp.temperature, sp.top_k, sp.top_p)
+    return sampling.sample_from_probs(key, probs)[:, 0]
+
+
 def prefill(
     target: CausalLM,
-    drafter: Eagle3Drafter | None,
+    drafter: Proposer | None,
     tokens: Int[Array, "B T"],
-    prompt_lens: Int[Array, "B"],
+    prompt_lens: Int[Array, " B"],
+    config: SpecConfig,
     *,
-    method: Method,
-    num_draft: int,
-    greedy: bool,
-    capacity: int,
-    out_size: int,
-    max_new: Int[Array, "B"],
+    max_new: Int[Array, " B"],
     sp: SamplingParams,
-    eos_ids: Int[Array, "E"],
+    eos_ids: Int[Array, " E"],
     key: jax.Array,
 ) -> SpecState:
     """Run the prompts (right-padded to a bucket) and emit the first token.
@@ -339,29 +259,21 @@ def prefill(
     becomes the single pending row of the first round.
     """
     b, t = tokens.shape
-    tcache = target.init_cache(b, capacity)
+    k = config.num_draft_tokens
     positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
-    use_drafter = method != "none"
-    out = target(tokens, positions, tcache, logit_rows=(prompt_lens - 1)[:, None], return_aux=use_drafter)
+    out = target(tokens, positions, target.init_cache(b, config.capacity), logit_rows=(prompt_lens - 1)[:, None],
+                 return_aux=config.uses_drafter)
     k_first, k_rest = sampling.split_keys(key, 2)  # key: one per sequence, [B]
-    if greedy:
-        first = jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)
-    else:
-        probs = sampling.process_logits(out.logits, sp.temperature, sp.top_k, sp.top_p)
-        first = sampling.sample_from_probs(k_first, probs)[:, 0]
-    w = num_draft + 1
-    pend_tok = jnp.zeros((b, w), jnp.int32).at[:, 0].set(first)
+    first = _first_token(out.logits, sp, k_first, config.greedy)
+    pend_tok = jnp.zeros((b, k + 1), jnp.int32).at[:, 0].set(first)
     dcache, pend_feat = None, None
-    if use_drafter:
+    if config.uses_drafter:
         feats = drafter.project(out.aux_hidden)  # [B, T, H]
-        head = drafter.head if isinstance(drafter, ReferenceDrafter) else drafter
-        if head is not None:
-            # Drafter rows for p = 0..L-2: token p+1 with the feature of position p.
-            shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
-            dcache = head.init_cache(b, capacity)
-            dcache = head(shifted, feats, positions, dcache, logit_rows=jnp.zeros((b, 1), jnp.int32)).cache
+        # Drafter rows for p = 0..L-2: token p+1 with the feature of position p.
+        shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
+        dcache = drafter.prefill(shifted, feats, positions, config.capacity)
         last_feat = jnp.take_along_axis(feats, (prompt_lens - 1)[:, None, None], axis=1)  # [B, 1, H]
-        pend_feat = jnp.zeros((b, w, feats.shape[-1]), feats.dtype).at[:, :1].set(last_feat)
+        pend_feat = jnp.zeros((b, k + 1, feats.shape[-1]), feats.dtype).at[:, :1].set(last_feat)
     state = SpecState(
         target_cache=out.cache.with_lengths(prompt_lens),
         drafter_cache=dcache,
@@ -369,35 +281,34 @@ def prefill(
         pending_tokens=pend_tok,
         pending_feats=pend_feat,
         num_pending=jnp.ones((b,), jnp.int32),
-        output=jnp.zeros((b, out_size), jnp.int32),
+        output=jnp.zeros((b, config.out_size), jnp.int32),
         out_len=jnp.zeros((b,), jnp.int32),
         max_new=max_new.astype(jnp.int32),
         done=jnp.zeros((b,), bool),
         hit_eos=jnp.zeros((b,), bool),
         rounds=jnp.zeros((b,), jnp.int32),
-        accepted_per_pos=jnp.zeros((b, num_draft), jnp.int32),
+        accepted_per_pos=jnp.zeros((b, k), jnp.int32),
         sampling=sp,
         eos_ids=eos_ids,
         key=k_rest,
-        round_idx=jnp.zeros((), jnp.int32),
     )
-    output, out_len, done, hit_eos = _commit(state, first[:, None], jnp.ones((b,), jnp.int32), num_draft + 1)
+    output, out_len, done, hit_eos = _commit(state, first[:, None], jnp.ones((b,), jnp.int32), k + 1)
     return state._replace(output=output, out_len=out_len, done=done, hit_eos=hit_eos)
 
 
 # --------------------------------------------------------------------------- slots (serving)
 
 # SpecState fields that are shared by the whole batch rather than per sequence.
-_SHARED_FIELDS = ("eos_ids", "round_idx")
+_SHARED_FIELDS = ("eos_ids",)
 
 
-def insert_sequences(state: SpecState, new: SpecState, slots: Int[Array, "n"]) -> SpecState:
+def insert_sequences(state: SpecState, new: SpecState, slots: Int[Array, " n"]) -> SpecState:
     """Write the n sequences of `new` (e.g. fresh from `prefill`) into batch rows `slots`.
 
     Every per-sequence array (both KV caches and their lengths, pending rows, output buffer,
     counters, sampling settings) is scattered at `slots`; a slot index >= the batch size is
     dropped, so padding rows of a bucketed prefill batch can point past the end. The shared
-    fields (eos ids, PRNG key, round counter) are kept from `state`. `new` must have been
+    field (the eos ids) is kept from `state`. `new` must have been
     built with the same cache capacity, output size and number of draft tokens.
     """
     slots = jnp.asarray(slots, jnp.int32)
@@ -415,6 +326,6 @@ def insert_sequences(state: SpecState, new: SpecState, slots: Int[Array, "n"]) -
     return SpecState(**fields)
 
 
-def finish_sequences(state: SpecState, mask: Bool[Array, "B"]) -> SpecState:
+def finish_sequences(state: SpecState, mask: Bool[Array, " B"]) -> SpecState:
     """Mark rows finished (frozen by `spec_round`): how a server frees or empties slots."""
     return state._replace(done=state.done | mask)

@@ -90,7 +90,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None) -> jax.Arr
 
 
 def apply_rope(
-    x: Float[Array, "B T N D"], positions: Int[Array, "B T"], inv_freq: Float[Array, "D2"]
+    x: Float[Array, "B T N D"], positions: Int[Array, "B T"], inv_freq: Float[Array, " D2"]
 ) -> Float[Array, "B T N D"]:
     """Rotary embedding in HF's rotate-half layout (first and second halves pair up)."""
     freqs = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
@@ -134,9 +134,12 @@ class Attention(nnx.Module):
         self.attn_interpret = False  # run a Pallas kernel in interpret mode (CPU tests)
         self.mesh = None  # set by peagle_jax.sharding.shard_module: attention runs under shard_map
 
-    def __call__(
-        self, x: Float[Array, "B T Din"], positions: Int[Array, "B T"], kv: LayerKV
-    ) -> tuple[Float[Array, "B T D"], LayerKV]:
+    def project_qkv(
+        self, x: Float[Array, "B T Din"], positions: Int[Array, "B T"]
+    ) -> tuple[Float[Array, "B T N D"], Float[Array, "B T KVH D"], Float[Array, "B T KVH D"]]:
+        """Rotary-embedded queries, keys and values of T rows: the seam between the
+        projections and the attention itself, shared by the cached forward here and the
+        training objective's document-masked attention (peagle_jax.train.objective)."""
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
@@ -144,14 +147,21 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # constant-folded
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def __call__(
+        self, x: Float[Array, "B T Din"], positions: Int[Array, "B T"], kv: LayerKV
+    ) -> tuple[Float[Array, "B T D"], LayerKV]:
+        b, t, _ = x.shape
+        q, k, v = self.project_qkv(x, positions)
         kv = kv.write(k, v, positions)
         attn = functools.partial(cache_attention, implementation=self.attn_impl, interpret=self.attn_interpret)
         if self.mesh is not None:
             from peagle_jax.sharding import sharded_attention
 
             scales = (kv.k_scale, kv.v_scale) if kv.is_fp8 else ()
-            out = sharded_attention(attn, self.mesh, b, self.num_kv_heads, fp8=kv.is_fp8)(q, kv.k, kv.v, positions, *scales)
+            attend = sharded_attention(attn, self.mesh, b, self.num_kv_heads, fp8=kv.is_fp8)
+            out = attend(q, kv.k, kv.v, positions, *scales)
         elif kv.is_fp8:
             out = attn(q, kv.k, kv.v, positions, k_scale=kv.k_scale, v_scale=kv.v_scale)
         else:

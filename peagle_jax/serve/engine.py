@@ -33,11 +33,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from peagle_jax.drafters.eagle3 import Eagle3Drafter
-from peagle_jax.generate.speculative import merge_models, prompt_bucket
+from peagle_jax.generate.speculative import cache_capacity, merge_models, prompt_bucket
 from peagle_jax.generate.steps import (
-    METHODS, SamplingParams, SpecState, finish_sequences, insert_sequences, prefill, spec_round, step_jit,
+    SpecConfig,
+    SpecState,
+    finish_sequences,
+    insert_sequences,
+    prefill,
+    spec_round,
+    step_jit,
 )
+from peagle_jax.sampling import SamplingParams
 from peagle_jax.serve.detokenize import IncrementalDetokenizer, StopStrings
 from peagle_jax.serve.metrics import Metrics
 
@@ -109,26 +115,20 @@ def _keys_from_seeds(seeds):
     return jax.vmap(jax.random.key)(seeds)
 
 
-@functools.partial(
-    step_jit,
-    static_argnames=("target_def", "drafter_def", "method", "num_draft", "greedy", "capacity", "out_size"),
-)
+@functools.partial(step_jit, static_argnames=("target_def", "drafter_def", "config"))
 def _prefill_jit(target_state, drafter_state, tokens, lens, max_new, sp, eos_ids, key,
-                 *, target_def, drafter_def, method, num_draft, greedy, capacity, out_size):
+                 *, target_def, drafter_def, config: SpecConfig):
     target, drafter = merge_models(target_def, target_state, drafter_def, drafter_state)
-    return prefill(target, drafter, tokens, lens, method=method, num_draft=num_draft, greedy=greedy,
-                   capacity=capacity, out_size=out_size, max_new=max_new, sp=sp, eos_ids=eos_ids, key=key)
+    return prefill(target, drafter, tokens, lens, config, max_new=max_new, sp=sp, eos_ids=eos_ids, key=key)
 
 
-@functools.partial(
-    step_jit, static_argnames=("target_def", "drafter_def", "method", "num_draft", "greedy"), donate_argnames=("state",)
-)
-def _round_jit(target_state, drafter_state, state, *, target_def, drafter_def, method, num_draft, greedy):
+@functools.partial(step_jit, static_argnames=("target_def", "drafter_def", "config"), donate_argnames=("state",))
+def _round_jit(target_state, drafter_state, state, *, target_def, drafter_def, config: SpecConfig):
     """One round; also returns what the host needs: the new tokens of each row and stats."""
     target, drafter = merge_models(target_def, target_state, drafter_def, drafter_state)
     prev_len, prev_hist = state.out_len, state.accepted_per_pos
-    new = spec_round(target, drafter, state, method=method, num_draft=num_draft, greedy=greedy)
-    idx = prev_len[:, None] + jnp.arange(num_draft + 1)[None, :]
+    new = spec_round(target, drafter, state, config)
+    idx = prev_len[:, None] + jnp.arange(config.num_draft_tokens + 1)[None, :]
     toks = jnp.take_along_axis(new.output, jnp.minimum(idx, new.output.shape[1] - 1), axis=1)
     accepted = jnp.sum(new.accepted_per_pos - prev_hist, axis=1)
     return new, (toks, new.out_len - prev_len, new.done, new.hit_eos, accepted)
@@ -174,27 +174,23 @@ class Engine:
         seed: int = 0,
         metrics: Metrics | None = None,
     ):
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        if method != "none" and drafter is None:
-            raise ValueError(f"method {method!r} needs a drafter")
-        if method == "peagle" and isinstance(drafter, Eagle3Drafter) and drafter.config.mask_token_id is None:
-            raise ValueError("method 'peagle' needs a parallel-drafting (P-EAGLE) head; this one is EAGLE-3 only")
+        k = num_draft_tokens if method != "none" else 0
+        # Greedy is chosen per round (all rows greedy or not); the rest is fixed per engine.
+        self._spec = SpecConfig(method, k, True, cache_capacity(max_model_len, 0, k), max_model_len)
+        self._spec.check_drafter(drafter)
         max_ctx = target.config.max_position_embeddings
         if max_model_len > max_ctx:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context ({max_ctx})")
         self.method = method
-        self.k = num_draft_tokens if method != "none" else 0
+        self.num_draft_tokens = k
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
         self.max_queue_size = max_queue_size
         self.max_prefill_batch = max(1, min(max_prefill_batch, max_batch_size))
         self.min_prompt_bucket = min_prompt_bucket
-        self.capacity = max_model_len + 2 * self.k + 2
-        self.out_size = max_model_len
         self.tokenizer = tokenizer
         self.tokenizer_lock = threading.Lock()
-        self.metrics = metrics or Metrics(self.k, max_batch_size)
+        self.metrics = metrics or Metrics(k, max_batch_size)
         self.vocab_size = target.config.vocab_size
         self._target_def, self._target_state = nnx.split(target)
         if drafter is not None and method != "none":
@@ -204,7 +200,6 @@ class Engine:
         self._eos = jnp.asarray(np.array(list(eos_ids) or [-1], np.int32))
         self._key = jax.random.key(seed)
         self._seed_rng = np.random.default_rng(seed)  # seeds for requests that give none
-        self._prefill_count = 0
         self._state: SpecState | None = None
         self._slots: list[GenRequest | None] = [None] * max_batch_size
         self._waiting: deque[GenRequest] = deque()
@@ -286,14 +281,14 @@ class Engine:
         fn = _prefill_jit.eval_shape if shapes_only else _prefill_jit
         return fn(
             self._target_state, self._drafter_state, tokens, lens, max_new, sp, self._eos, key,
-            target_def=self._target_def, drafter_def=self._drafter_def, method=self.method, num_draft=self.k,
-            greedy=greedy, capacity=self.capacity, out_size=self.out_size,
+            target_def=self._target_def, drafter_def=self._drafter_def,
+            config=dataclasses.replace(self._spec, greedy=greedy),
         )
 
     def _round(self, greedy: bool):
         self._state, out = _round_jit(
             self._target_state, self._drafter_state, self._state, target_def=self._target_def,
-            drafter_def=self._drafter_def, method=self.method, num_draft=self.k, greedy=greedy,
+            drafter_def=self._drafter_def, config=dataclasses.replace(self._spec, greedy=greedy),
         )
         return jax.device_get(out)
 
@@ -389,7 +384,7 @@ class Engine:
         self._release(gone)
 
     def _admit(self, reqs: list[GenRequest], free: list[int]) -> None:
-        for r, s in zip(reqs, free):
+        for r, s in zip(reqs, free, strict=False):  # there may be more free slots than requests
             r.slot = s
             self._slots[s] = r
         for i in range(0, len(reqs), self.max_prefill_batch):
@@ -419,7 +414,6 @@ class Engine:
             if r.seed is not None:
                 seeds[i] = r.seed % 2**32
             else:
-                self._prefill_count += 1
                 seeds[i] = self._seed_rng.integers(0, 2**32, dtype=np.uint32)
         key = _keys_from_seeds(jnp.asarray(seeds))
         sp = SamplingParams(jnp.asarray(temp), jnp.asarray(top_k), jnp.asarray(top_p))

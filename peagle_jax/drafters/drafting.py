@@ -1,0 +1,148 @@
+"""How a drafter takes part in a speculative round: the proposer interface and its inputs.
+
+A round needs three things from a drafter, whatever it is (a learned EAGLE-3 / P-EAGLE head
+or the replay oracle of the tests and synthetic benchmarks):
+  project   the target's concatenated feature taps -> the drafter's feature space;
+  prefill   write the prompt's drafter rows into a fresh drafter KV cache;
+  propose   K draft tokens (and, when sampling, their probabilities q over the target
+            vocabulary) from the rows accepted in the last round.
+`generate.steps` only calls these, so a new kind of drafter plugs in without touching it.
+
+The two ways an EAGLE-3 head drafts live here too:
+  draft_parallel    P-EAGLE: ONE forward over [C pending rows | K-1 mask slots];
+  draft_sequential  EAGLE-3: one forward over the pending rows, then K-1 single-row
+                    forwards feeding back the drafted token and the pre-norm hidden state.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from peagle_jax import sampling
+from peagle_jax.cache import KVCache
+from peagle_jax.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from peagle_jax.drafters.eagle3 import Eagle3Drafter
+
+
+class Pending(NamedTuple):
+    """The rows the next draft step feeds to the drafter (see `generate.steps`)."""
+
+    tokens: Int[Array, "B W"]
+    feats: Float[Array, "B W H"]
+    count: Int[Array, " B"]  # C valid rows per sequence
+    base: Int[Array, " B"]  # position of row 0 (n_b - C)
+
+
+class DraftSettings(NamedTuple):
+    """What every draft step needs besides the drafter, its cache and the pending rows."""
+
+    num_draft_tokens: int  # K
+    parallel: bool  # P-EAGLE (one forward) or EAGLE-3 (K sequential forwards)
+    key: jax.Array
+    sampling: SamplingParams
+    greedy: bool
+    vocab: int  # target vocabulary size (q is scattered to it when sampling)
+    out_len: Int[Array, " B"]  # tokens emitted so far: where replaying drafters read
+
+
+DraftResult = tuple[Int[Array, "B K"], Float[Array, "B K V"] | None, KVCache | None]
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """The drafter side of a speculative round (implemented by every drafter)."""
+
+    @property
+    def can_draft_parallel(self) -> bool:
+        """Whether `propose` can draft P-EAGLE style (settings.parallel)."""
+        ...
+
+    def project(self, aux: Float[Array, "B T A"]) -> Float[Array, "B T H"]:
+        """Target feature taps -> the features the drafter's pending rows carry."""
+        ...
+
+    def prefill(self, tokens: Int[Array, "B T"], feats: Float[Array, "B T H"], positions: Int[Array, "B T"],
+                capacity: int) -> KVCache | None:
+        """A fresh drafter cache holding the prompt rows (None: the drafter keeps no cache)."""
+        ...
+
+    def propose(self, cache: KVCache | None, pending: Pending, settings: DraftSettings) -> DraftResult:
+        """K drafts in target ids, q over the target vocabulary (None when greedy), new cache."""
+        ...
+
+
+def pad_rows(x: jax.Array, rows: int) -> jax.Array:
+    """Zero-pad (or cut) axis 1 to `rows`."""
+    pad = rows - x.shape[1]
+    if pad <= 0:
+        return x[:, :rows]
+    widths = [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
+    return jnp.pad(x, widths)
+
+
+def _draft_tokens_from_logits(
+    drafter: Eagle3Drafter, logits: Float[Array, "B K Vd"], key, sp: SamplingParams, greedy: bool, vocab: int
+) -> tuple[Int[Array, "B K"], Float[Array, "B K V"] | None]:
+    """Draft ids (target vocabulary) and, when sampling, q over the target vocabulary."""
+    if greedy:
+        return drafter.to_target_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32)), None
+    draft_ids, q_draft = sampling.draft_from_logits(key, logits, sp.temperature, sp.top_k, sp.top_p)
+    target_ids = drafter.to_target_ids(draft_ids)
+    # q over the target vocabulary: draft-vocab probabilities scattered to their target ids.
+    vocab_ids = drafter.to_target_ids(jnp.arange(logits.shape[-1]))
+    q_full = jnp.zeros(logits.shape[:2] + (vocab,), jnp.float32).at[..., vocab_ids].set(q_draft)
+    return target_ids, q_full
+
+
+def draft_parallel(drafter: Eagle3Drafter, cache: KVCache, pending: Pending, ds: DraftSettings) -> DraftResult:
+    """P-EAGLE: K drafts from ONE forward over [pending | K-1 mask slots]."""
+    cfg = drafter.config
+    k = ds.num_draft_tokens
+    rows = pending.tokens.shape[1] + k - 1
+    j = jnp.arange(rows)[None, :]
+    c = pending.count[:, None]
+    is_pending = j < c
+    tokens = jnp.where(is_pending, pad_rows(pending.tokens, rows), cfg.mask_token_id)
+    mask_feat = drafter.mask_feature().astype(pending.feats.dtype)
+    feats = jnp.where(is_pending[..., None], pad_rows(pending.feats, rows), mask_feat)
+    positions = pending.base[:, None] + j
+    logit_rows = c - 1 + jnp.arange(k)[None, :]  # last pending row + K-1 mask rows
+    out = drafter(tokens, feats, positions, cache, logit_rows=logit_rows)
+    drafts, q = _draft_tokens_from_logits(drafter, out.logits, ds.key, ds.sampling, ds.greedy, ds.vocab)
+    return drafts, q, out.cache
+
+
+def draft_sequential(drafter: Eagle3Drafter, cache: KVCache, pending: Pending, ds: DraftSettings) -> DraftResult:
+    """EAGLE-3: one forward over the pending rows, then K-1 single-row forwards."""
+    b, w = pending.tokens.shape
+    c = pending.count[:, None]
+    positions = pending.base[:, None] + jnp.arange(w)[None, :]
+    keys = sampling.split_keys(ds.key, ds.num_draft_tokens)
+
+    def sample(logits, key):
+        return _draft_tokens_from_logits(drafter, logits, key, ds.sampling, ds.greedy, ds.vocab)
+
+    out = drafter(pending.tokens, pending.feats, positions, cache, logit_rows=c - 1)
+    tok, q = sample(out.logits, keys[0])
+    hidden = jnp.take_along_axis(out.prenorm, (c - 1)[..., None], axis=1)  # [B, 1, H]
+    last_pos = pending.base + pending.count - 1
+
+    def step(carry, i):
+        cache, tok, hidden = carry
+        o = drafter(tok, hidden, (last_pos + i)[:, None], cache, logit_rows=jnp.zeros((b, 1), jnp.int32))
+        nt, nq = sample(o.logits, keys[i])
+        return (o.cache, nt, o.prenorm), (nt[:, 0], None if nq is None else nq[:, 0])
+
+    cache = out.cache
+    if ds.num_draft_tokens == 1:
+        return tok, q, cache
+    (cache, _, _), (toks, qs) = jax.lax.scan(step, (cache, tok, hidden), jnp.arange(1, ds.num_draft_tokens))
+    drafts = jnp.concatenate([tok, toks.T], axis=1)
+    probs = None if q is None else jnp.concatenate([q, jnp.moveaxis(qs, 0, 1)], axis=1)
+    return drafts, probs, cache
