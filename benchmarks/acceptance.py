@@ -4,7 +4,7 @@ Acceptance length (tokens per target forward) does not depend on timing, so prom
 large batches. Every speculative output is checked token-identical to plain greedy decoding
 (method "none") of the same prompts.
 
-  .venv/bin/python benchmarks/acceptance.py --peagle-head assets/heads/smollm2-135m-peagle \
+  .venv/bin/python -m benchmarks.acceptance --peagle-head assets/heads/smollm2-135m-peagle \
       --eagle3-head assets/heads/smollm2-135m-eagle3 [--ks 3 5 7] [--max-new-tokens 128] [--batch 32]
 
 Writes results/acceptance/acceptance.{json,md}.
@@ -14,12 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
@@ -51,8 +47,9 @@ def summarize(rounds, hist) -> tuple[float, list[float]]:
     return float((total + hist.sum()) / total), (hist.sum(axis=0) / total).tolist()
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default", help="target: a .gguf file or an HF directory (default SmolLM2-135M)")
     ap.add_argument("--peagle-head", required=True)
     ap.add_argument("--eagle3-head", required=True)
     ap.add_argument("--ks", type=int, nargs="+", default=[3, 5, 7])
@@ -65,7 +62,7 @@ def main(argv=None) -> None:
 
     from peagle_jax.api import load
 
-    llm = load(drafter=a.peagle_head, method="peagle", dtype=a.dtype)
+    llm = load(a.model, drafter=a.peagle_head, method="peagle", dtype=a.dtype)
     target, tok, eos = llm.target, llm.tokenizer, llm.eos_ids
     heads = {"peagle": llm.drafter, "eagle3": llm.load_head(a.eagle3_head)}
     humaneval = load_prompts("humaneval", limit=a.limit)
@@ -92,14 +89,16 @@ def main(argv=None) -> None:
                                     prompts=len(idx), mismatches_vs_greedy=int(mismatches)))
                 print(json.dumps(results[-1]), flush=True)
     out = Path(a.out)
-    write_json(out / "acceptance.json", dict(machine=machine_info(), dtype=a.dtype, max_new_tokens=a.max_new_tokens,
-                                               heads=dict(peagle=a.peagle_head, eagle3=a.eagle3_head),
-                                               wall_time_s=time.time() - t0, results=results))
+    summary = dict(machine=machine_info(), dtype=a.dtype, max_new_tokens=a.max_new_tokens,
+                   heads=dict(peagle=a.peagle_head, eagle3=a.eagle3_head), wall_time_s=time.time() - t0,
+                   results=results)
+    write_json(out / "acceptance.json", summary)
     rows = [[r["dataset"], r["method"], r["k"], f"{r['acceptance_length']:.2f}",
              " / ".join(f"{p:.2f}" for p in r["per_position"]), r["mismatches_vs_greedy"]] for r in results]
     md = md_table(["prompts", "method", "K", "acceptance length", "per-position acceptance", "mismatches"], rows)
     (out / "acceptance.md").write_text(md + "\n")
     print(md)
+    return summary
 
 
 if __name__ == "__main__":

@@ -145,7 +145,7 @@ def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = dict(
         platform=platform.platform(), machine=platform.machine(), processor=platform.processor(),
         python=platform.python_version(), cpu_count=os.cpu_count(),
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     )
     try:
         info["cpu_affinity"] = len(os.sched_getaffinity(0))

@@ -19,7 +19,7 @@ STAGES=("$@")
 
 offline() {
   # shellcheck disable=SC2086
-  $PY benchmarks/offline.py --peagle-head "$PEAGLE" --eagle3-head "$EAGLE3" \
+  $PY -m benchmarks.offline --peagle-head "$PEAGLE" --eagle3-head "$EAGLE3" \
     --dataset humaneval mtbench --limit "${LIMIT:-24}" --ks ${KS:-3 5 7} --batch-sizes ${BATCHES:-1 4} \
     --max-new-tokens "${MAX_NEW:-128}" --hf-peer --torch-threads "$(nproc)" --out results/offline
 }
@@ -43,7 +43,7 @@ online() {
       sleep 1
     done
     # shellcheck disable=SC2086
-    $PY benchmarks/online.py --base-url "http://127.0.0.1:$port/v1" --label "$label" $fresh \
+    $PY -m benchmarks.online --base-url "http://127.0.0.1:$port/v1" --label "$label" $fresh \
       --concurrency $conc --requests "${REQUESTS:-32}" --time-limit "${TIME_LIMIT:-60}" \
       --max-tokens "${MAX_NEW:-128}" --dataset humaneval --out results/online
     fresh=
@@ -55,7 +55,7 @@ online() {
 acceptance() {
   local limit=()
   [ -n "${ACC_LIMIT:-}" ] && limit=(--limit "$ACC_LIMIT")
-  $PY benchmarks/acceptance.py --peagle-head "$PEAGLE" --eagle3-head "$EAGLE3" --ks 3 5 7 \
+  $PY -m benchmarks.acceptance --peagle-head "$PEAGLE" --eagle3-head "$EAGLE3" --ks 3 5 7 \
     --max-new-tokens "${ACC_MAX_NEW:-64}" "${limit[@]}"
 }
 

@@ -4,7 +4,7 @@ Same SmolLM2-135M-Instruct GGUF weights, fp32, batch 1, same chat prompts and to
 Methods are interleaved prompt by prompt so both see the same machine state; compilation is
 excluded (one warm-up call per shape). Writes JSON + Markdown to results/decode_speed/.
 
-  .venv/bin/python benchmarks/decode_speed.py [--max-new-tokens 128] [--prompts 4]
+  .venv/bin/python -m benchmarks.decode_speed [--max-new-tokens 128] [--prompts 4]
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import os
 import platform
 import time
 from pathlib import Path
+
 from peagle_jax.api import chat_ids
 
 PROMPTS = [
@@ -27,22 +28,23 @@ PROMPTS = [
 ]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default", help="a .gguf file or an HF directory (default: SmolLM2-135M)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--out", default="results/decode_speed")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     import torch
-    from transformers import AutoModelForCausalLM
 
+    from benchmarks.peer_hf import load_hf
     from peagle_jax.api import load
     from peagle_jax.generate import speculative_generate
 
-    llm = load(method="none", dtype="float32")
+    llm = load(args.model, method="none", dtype="float32")
     ours, tok, path = llm.target, llm.tokenizer, llm.model_path
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32).eval()
+    hf = load_hf(path)  # the same file (GGUF dequantised to fp32) or directory
     # Both sides ignore EOS and generate exactly n tokens (min_new_tokens would instead mask
     # the EOS logit and change the tokens), so tokens/s and the token check compare like for like.
     hf.generation_config.eos_token_id = None
@@ -57,9 +59,12 @@ def main() -> None:
         t_ours = time.perf_counter() - t0
         with torch.inference_mode():
             x = torch.tensor([ids])
-            hf.generate(x, max_new_tokens=4, do_sample=False)  # warm-up
+            # An explicit mask: without one, generate masks every prompt token equal to the pad
+            # id, and SmolLM2's pad id is <|im_end|>, which every chat prompt contains.
+            mask = torch.ones_like(x)
+            hf.generate(x, attention_mask=mask, max_new_tokens=4, do_sample=False)  # warm-up
             t0 = time.perf_counter()
-            y = hf.generate(x, max_new_tokens=n, do_sample=False)
+            y = hf.generate(x, attention_mask=mask, max_new_tokens=n, do_sample=False)
             t_hf = time.perf_counter() - t0
         same = y[0, len(ids):].tolist() == r.tokens[0]
         rows.append(dict(prompt=text, tokens=n, ours_tok_s=n / t_ours, hf_tok_s=n / t_hf, identical_tokens=same))
@@ -74,10 +79,12 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode_speed.json").write_text(json.dumps(summary, indent=2))
     md = ["| prompt | peagle-jax tok/s | transformers tok/s | identical |", "|---|---|---|---|"]
-    md += [f"| {r['prompt'][:50]} | {r['ours_tok_s']:.1f} | {r['hf_tok_s']:.1f} | {r['identical_tokens']} |" for r in rows]
+    md += [f"| {r['prompt'][:50]} | {r['ours_tok_s']:.1f} | {r['hf_tok_s']:.1f} | {r['identical_tokens']} |"
+           for r in rows]
     md.append(f"| **mean** | **{ours_mean:.1f}** | **{hf_mean:.1f}** | speed-up {ours_mean / hf_mean:.2f}x |")
     (out / "decode_speed.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
+    return summary
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ row's logits independent of R (see the README, "Exact in bf16"):
 The third measure (no one-row dots) is always on. Also reports whether row 0's logits are
 bitwise the same for every R (they must be with both measures on).
 
-  .venv/bin/python benchmarks/forward_rows.py [--target default] [--dtype bfloat16]
+  .venv/bin/python -m benchmarks.forward_rows [--target default] [--dtype bfloat16]
       [--rows 1 2 4 8 16] [--context 256] [--repeats 20] [--out results/forward_rows]
 """
 
@@ -18,13 +18,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import itertools
-import sys
 import time
 from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 

@@ -4,7 +4,7 @@ Reports, against the fp32 model: max / mean absolute logit error over real promp
 agreement of next-token predictions, greedy continuation agreement (tokens until the first
 divergence), and, when a trained head is given, the change in mean acceptance length.
 
-  .venv/bin/python benchmarks/fp8_accuracy.py [--prompts 4] [--max-new-tokens 48] [--head DIR -k 5]
+  .venv/bin/python -m benchmarks.fp8_accuracy [--prompts 4] [--max-new-tokens 48] [--head DIR -k 5]
 """
 
 from __future__ import annotations
@@ -24,20 +24,21 @@ PROMPTS = [
 ]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default", help="a .gguf file or an HF directory (default: SmolLM2-135M)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--head", default=None, help="trained draft head for the acceptance comparison")
     ap.add_argument("-k", "--num-draft-tokens", type=int, default=5)
     ap.add_argument("--out", default="results/fp8_accuracy")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     from peagle_jax.api import load
     from peagle_jax.generate import speculative_generate
 
     def variant(name):
-        return load(drafter=args.head, method="auto" if args.head else "none",
+        return load(args.model, drafter=args.head, method="auto" if args.head else "none",
                     dtype="bfloat16" if name == "bf16" else "float32",
                     kv_cache_dtype="float8_e4m3fn" if name in ("fp8_kv", "fp8_kv+fp8_weights") else None,
                     fp8_weights=name in ("fp8_weights", "fp8_kv+fp8_weights"))
@@ -51,22 +52,25 @@ def main() -> None:
         return np.asarray(m(t, jnp.arange(len(ids))[None], m.init_cache(1, 1024)).logits[0])
 
     base = base_llm.target
-    base_out = speculative_generate(base, None, prompts, method="none", max_new_tokens=args.max_new_tokens, eos_token_ids=eos)
+    base_out = speculative_generate(base, None, prompts, method="none", max_new_tokens=args.max_new_tokens,
+                                    eos_token_ids=eos)
     # Score each variant on the fp32 model's own continuations (prompt + its greedy answer).
-    seqs = [p + t for p, t in zip(prompts, base_out.tokens)]
+    seqs = [p + t for p, t in zip(prompts, base_out.tokens, strict=True)]
     base_logits = [full_logits(base, s) for s in seqs]
     rows = []
     for name in ("fp32", "bf16", "fp8_kv", "fp8_weights", "fp8_kv+fp8_weights"):
         llm = base_llm if name == "fp32" else variant(name)
         m = llm.target
         errs, agree = [], []
-        for s, bl in zip(seqs, base_logits):
+        for s, bl in zip(seqs, base_logits, strict=True):
             lg = full_logits(m, s)
             errs.append(np.abs(lg - bl))
             agree.append(np.mean(lg.argmax(-1) == bl.argmax(-1)))
-        out = speculative_generate(m, None, prompts, method="none", max_new_tokens=args.max_new_tokens, eos_token_ids=eos)
-        same_prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
-                       for x, y in zip(out.tokens, base_out.tokens)]
+        out = speculative_generate(m, None, prompts, method="none", max_new_tokens=args.max_new_tokens,
+                                   eos_token_ids=eos)
+        # Continuations may stop (EOS) at different lengths: compare up to the shorter one.
+        same_prefix = [next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), min(len(x), len(y)))
+                       for x, y in zip(out.tokens, base_out.tokens, strict=True)]
         row = dict(variant=name, max_abs_logit_error=float(max(e.max() for e in errs)),
                    mean_abs_logit_error=float(np.mean([e.mean() for e in errs])),
                    top1_agreement=float(np.mean(agree)), greedy_tokens_before_divergence=same_prefix)
@@ -86,6 +90,7 @@ def main() -> None:
                   + f" | {r['greedy_tokens_before_divergence']} |")
     (out_dir / "fp8_accuracy.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
+    return rows
 
 
 if __name__ == "__main__":

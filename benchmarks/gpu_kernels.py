@@ -14,8 +14,8 @@ calls do not measure the 60 MB L2. Each result also carries the max error agains
 Writes ``<out>/bench.json`` and ``<out>/bench.md``. Combos that do not fit in GPU memory, or
 that fail, are recorded as skipped with the reason; a time budget stops starting new combos.
 
-    python benchmarks/gpu_kernels.py --out results/gpu_kernels          # on a GPU
-    python benchmarks/gpu_kernels.py --smoke --out /tmp/gk               # CPU plumbing check
+    python -m benchmarks.gpu_kernels --out results/gpu_kernels          # on a GPU
+    python -m benchmarks.gpu_kernels --smoke --out /tmp/gk               # CPU plumbing check
 """
 
 from __future__ import annotations
@@ -35,15 +35,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from kernels_pallas.cache_attention import (  # noqa: E402
+from kernels_pallas.cache_attention import (
     _gpu_compute_capability,
     cache_attention_reference,
 )
-from kernels_pallas.cache_attention_mosaic import cache_attention_mosaic  # noqa: E402
-from kernels_pallas.cache_attention_triton import cache_attention_triton  # noqa: E402
-from kernels_pallas.fp8 import quantize_kv  # noqa: E402
+from kernels_pallas.cache_attention_mosaic import cache_attention_mosaic
+from kernels_pallas.cache_attention_triton import cache_attention_triton
+from kernels_pallas.fp8 import quantize_kv
 
 PEAK_BYTES_PER_S = 4.8e12  # H200 HBM3e, vendor datasheet
 L2_ROTATE_BYTES = 256 << 20  # rotate caches until this many bytes separate two reads of one
@@ -118,112 +116,143 @@ def _time(run, args, reps: int, warmup: int = 1) -> list[float]:
     return times
 
 
-def run_bench(args) -> dict:
-    cc = _gpu_compute_capability()
-    on_gpu = cc is not None
-    interpret = not on_gpu
+def _impls(args, cc) -> list[str]:
+    """The implementations to run; Mosaic GPU needs Hopper (sm 9.0) or newer."""
     impls = [i for i in args.impls.split(",") if i]
-    if on_gpu and cc < (9, 0) and "mosaic" in impls:
+    if cc is not None and cc < (9, 0) and "mosaic" in impls:
         impls.remove("mosaic")
-    h, kvh, d, t = 32, 8, 128, 8
-    contexts = [int(c) for c in args.contexts.split(",")]
-    batches = [int(b) for b in args.batches.split(",")]
-    kv_kinds = [k for k in args.kv.split(",") if k]
-    if args.smoke:
-        h, kvh, d, t = 8, 2, 64, 8
-    mem = _device_memory_bytes()
-    deadline = time.time() + args.budget_s
-    results = []
-    key = jax.random.PRNGKey(0)
-    env = dict(
+    return impls
+
+
+def _env(args, cc, shapes: tuple[int, int, int, int], mem: int | None) -> dict:
+    """The run's environment and fixed settings, recorded in the report (and read back by the combos)."""
+    h, kvh, d, t = shapes
+    return dict(
         jax=jax.__version__,
         python=platform.python_version(),
         backend=jax.default_backend(),
         device=str(jax.devices()[0].device_kind),
         compute_capability=None if cc is None else f"{cc[0]}.{cc[1]}",
-        interpret=interpret,
+        interpret=cc is None,
         shapes=dict(heads=h, kv_heads=kvh, head_dim=d, t=t),
         peak_bytes_per_s=PEAK_BYTES_PER_S,
         reps=args.reps,
         device_memory_bytes=mem,
     )
-    report = dict(env=env, results=results)
+
+
+def _plan(args, shapes: dict, ctx: int, b: int, kv_kind: str) -> tuple[dict, int, int]:
+    """(result-row base, bytes the inputs need, bytes of xla's temporaries) of one combo.
+
+    Caches below half of L2_ROTATE_BYTES are rotated over several copies so that repeated calls
+    do not hit L2; larger ones are reused `chain_large` times.
+    """
+    h, kvh, d, t = shapes["heads"], shapes["kv_heads"], shapes["head_dim"], shapes["t"]
+    itemsize = 1 if kv_kind == "fp8" else 2
+    nbytes = _bytes_moved(b, t, h, kvh, d, ctx, itemsize, kv_kind == "fp8")
+    cache_bytes = 2 * b * ctx * kvh * d * itemsize
+    if cache_bytes >= L2_ROTATE_BYTES // 2:
+        copies, chain = 1, args.chain_large
+    else:
+        copies = min(args.max_copies, max(2, math.ceil(L2_ROTATE_BYTES / cache_bytes)))
+        chain = copies
+    # xla's reference holds f32 copies of K and V plus [B,KVH,G,T,S] f32 scores.
+    xla_tmp = 2 * b * ctx * kvh * d * 4 + 3 * b * h * t * ctx * 4
+    base = dict(kv=kv_kind, context=ctx, batch=b, bytes=nbytes, copies=copies,
+                chain=chain)
+    need = copies * (cache_bytes + 2 * b * ctx * kvh * 4) + (4 << 30)
+    return base, need, xla_tmp
+
+
+def _measure(row: dict, fn, impl: str, q, pos, caches, ref_out, reps: int):
+    """Fill `row` with `impl`'s error vs xla and its time per call; returns the xla output seen so far.
+
+    A failure is recorded as `skipped` (with the traceback as `error` unless it ran out of memory).
+    """
+    nbytes, copies, chain = row["bytes"], row["copies"], row["chain"]
+    try:
+        single = jax.jit(lambda q, pos, k, v, ks, vs, fn=fn: fn(
+            q, k, v, pos, k_scale=ks, v_scale=vs))
+        out = single(q, pos, *caches[0])
+        out = np.asarray(out.astype(jnp.float32))
+        if impl == "xla":
+            ref_out = out
+        elif ref_out is not None:
+            row["max_abs_err_vs_xla"] = float(np.max(np.abs(out - ref_out)))
+        run = _chain(fn)
+        t0 = time.time()
+        times = _time(run, (q, pos, caches[:chain] if copies > 1 else caches * chain),
+                      reps=reps)
+        per_call = statistics.median(times) / chain
+        row.update(
+            time_us=per_call * 1e6,
+            gbps=nbytes / per_call / 1e9,
+            frac_peak=nbytes / per_call / PEAK_BYTES_PER_S,
+            bench_s=time.time() - t0,
+            spread=(max(times) - min(times)) / statistics.median(times),
+        )
+    except Exception as e:  # noqa: BLE001
+        msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        row["skipped"] = msg
+        if "RESOURCE_EXHAUSTED" not in msg and "out of memory" not in msg.lower():
+            row["error"] = traceback.format_exc()[-2000:]
+    return ref_out
+
+
+def _bench_combo(args, report: dict, impls: list[str], deadline: float, ctx: int, b: int, kv_kind: str) -> None:
+    """Every implementation on one (context, batch, kv dtype); rows (or skip reasons) go to the report."""
+    env, results = report["env"], report["results"]
+    s, mem = env["shapes"], env["device_memory_bytes"]
+    base, need, xla_tmp = _plan(args, s, ctx, b, kv_kind)
+    if mem is not None and need > 0.9 * mem:
+        for impl in impls:
+            results.append(dict(base, impl=impl, skipped=f"inputs need {need/2**30:.1f} GiB"))
+        return
+    if time.time() > deadline:
+        for impl in impls:
+            results.append(dict(base, impl=impl, skipped="time budget"))
+        return
+    try:
+        q, pos, caches = _make_inputs(
+            jax.random.fold_in(jax.random.PRNGKey(0), ctx * 131 + b), b, s["t"], s["heads"], s["kv_heads"],
+            s["head_dim"], ctx, kv_kind, base["copies"],
+        )
+    except Exception as e:  # noqa: BLE001
+        for impl in impls:
+            results.append(dict(base, impl=impl, skipped=f"alloc: {type(e).__name__}"))
+        return
+    ref_out = None
+    for impl in impls:
+        row = dict(base, impl=impl)
+        if time.time() > deadline:
+            results.append(dict(row, skipped="time budget"))
+            continue
+        if impl == "xla" and mem is not None and need + xla_tmp > 0.9 * mem:
+            results.append(dict(row, skipped="xla temporaries do not fit"))
+            continue
+        fn = _impl_fn(impl, env["interpret"])
+        ref_out = _measure(row, fn, impl, q, pos, caches, ref_out, args.reps)
+        results.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "error"}), flush=True)
+        write_report(report, args.out)  # partial results survive a timeout kill
+
+
+def run_bench(args) -> dict:
+    cc = _gpu_compute_capability()
+    impls = _impls(args, cc)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    kv_kinds = [k for k in args.kv.split(",") if k]
+    shapes = (8, 2, 64, 8) if args.smoke else (32, 8, 128, 8)  # heads, kv heads, head_dim, T
+    mem = _device_memory_bytes()
+    deadline = time.time() + args.budget_s
+    report = dict(env=_env(args, cc, shapes, mem), results=[])
 
     # context -> batch -> kv dtype, so a cut by the time budget still covers both dtypes.
     for ctx in contexts:
         for b in batches:
             for kv_kind in kv_kinds:
-                itemsize = 1 if kv_kind == "fp8" else 2
-                nbytes = _bytes_moved(b, t, h, kvh, d, ctx, itemsize, kv_kind == "fp8")
-                cache_bytes = 2 * b * ctx * kvh * d * itemsize
-                if cache_bytes >= L2_ROTATE_BYTES // 2:
-                    copies, chain = 1, args.chain_large
-                else:
-                    copies = min(args.max_copies, max(2, math.ceil(L2_ROTATE_BYTES / cache_bytes)))
-                    chain = copies
-                # xla's reference holds f32 copies of K and V plus [B,KVH,G,T,S] f32 scores.
-                xla_tmp = 2 * b * ctx * kvh * d * 4 + 3 * b * h * t * ctx * 4
-                base = dict(kv=kv_kind, context=ctx, batch=b, bytes=nbytes, copies=copies,
-                            chain=chain)
-                need = copies * (cache_bytes + 2 * b * ctx * kvh * 4) + (4 << 30)
-                if mem is not None and need > 0.9 * mem:
-                    for impl in impls:
-                        results.append(dict(base, impl=impl, skipped=f"inputs need {need/2**30:.1f} GiB"))
-                    continue
-                if time.time() > deadline:
-                    for impl in impls:
-                        results.append(dict(base, impl=impl, skipped="time budget"))
-                    continue
-                try:
-                    q, pos, caches = _make_inputs(
-                        jax.random.fold_in(key, ctx * 131 + b), b, t, h, kvh, d, ctx, kv_kind,
-                        copies,
-                    )
-                except Exception as e:  # noqa: BLE001
-                    for impl in impls:
-                        results.append(dict(base, impl=impl, skipped=f"alloc: {type(e).__name__}"))
-                    continue
-                ref_out = None
-                for impl in impls:
-                    row = dict(base, impl=impl)
-                    if time.time() > deadline:
-                        results.append(dict(row, skipped="time budget"))
-                        continue
-                    if impl == "xla" and mem is not None and need + xla_tmp > 0.9 * mem:
-                        results.append(dict(row, skipped="xla temporaries do not fit"))
-                        continue
-                    fn = _impl_fn(impl, interpret)
-                    try:
-                        single = jax.jit(lambda q, pos, k, v, ks, vs, fn=fn: fn(
-                            q, k, v, pos, k_scale=ks, v_scale=vs))
-                        out = single(q, pos, *caches[0])
-                        out = np.asarray(out.astype(jnp.float32))
-                        if impl == "xla":
-                            ref_out = out
-                        elif ref_out is not None:
-                            row["max_abs_err_vs_xla"] = float(np.max(np.abs(out - ref_out)))
-                        run = _chain(fn)
-                        t0 = time.time()
-                        times = _time(run, (q, pos, caches[:chain] if copies > 1 else caches * chain),
-                                      reps=args.reps)
-                        per_call = statistics.median(times) / chain
-                        row.update(
-                            time_us=per_call * 1e6,
-                            gbps=nbytes / per_call / 1e9,
-                            frac_peak=nbytes / per_call / PEAK_BYTES_PER_S,
-                            bench_s=time.time() - t0,
-                            spread=(max(times) - min(times)) / statistics.median(times),
-                        )
-                    except Exception as e:  # noqa: BLE001
-                        msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-                        row["skipped"] = msg
-                        if "RESOURCE_EXHAUSTED" not in msg and "out of memory" not in msg.lower():
-                            row["error"] = traceback.format_exc()[-2000:]
-                    results.append(row)
-                    print(json.dumps({k: v for k, v in row.items() if k != "error"}), flush=True)
-                    write_report(report, args.out)  # partial results survive a timeout kill
-                del q, pos, caches, ref_out
-
+                _bench_combo(args, report, impls, deadline, ctx, b, kv_kind)
     return report
 
 

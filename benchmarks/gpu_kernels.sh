@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check of the Pallas cache-attention kernels, one command from the repo root:
 #
-#   bash benchmarks/gpu_kernels.sh [extra args for benchmarks/gpu_kernels.py]
+#   bash benchmarks/gpu_kernels.sh [extra args for python -m benchmarks.gpu_kernels]
 #
 # 1. finds a Python whose jax sees a CUDA GPU (the repo's .venv, else python3); if none does,
 #    installs "jax[cuda13]" (+ the few packages the kernels and tests import) into python3;
@@ -51,7 +51,7 @@ timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_cache_atte
 test_rc=${PIPESTATUS[0]}
 
 echo "== benchmark"
-timeout 200 "$PY" benchmarks/gpu_kernels.py --out "$OUT_DIR" --budget-s 150 "$@" 2>&1 \
+timeout 200 "$PY" -m benchmarks.gpu_kernels --out "$OUT_DIR" --budget-s 150 "$@" 2>&1 \
   | tee "$OUT_DIR/bench.log"
 bench_rc=${PIPESTATUS[0]}
 

@@ -94,10 +94,10 @@ stage_kernels() {  # ~4 min: tests <= 150 s, benchmarks <= 90 s + 40 s
   # Mosaic GPU compiles take 15-20 s per shape (measured), so Triton and XLA cover every shape
   # first and Mosaic gets its own budget.
   echo "== verify-attention bandwidth: xla + triton (1k/8k/32k context, batch 1/16/64, bf16 and fp8 KV)"
-  timeout 150 "$PY" benchmarks/gpu_kernels.py --out "$d/xla_triton" --impls xla,triton --budget-s 90 \
+  timeout 150 "$PY" -m benchmarks.gpu_kernels --out "$d/xla_triton" --impls xla,triton --budget-s 90 \
     ${KERNELS_ARGS:-} 2>&1 | tee "$d/bench.log" || rc=1
   echo "== verify-attention bandwidth: mosaic"
-  timeout 100 "$PY" benchmarks/gpu_kernels.py --out "$d/mosaic" --impls mosaic --kv bf16 --batches 1,16 \
+  timeout 100 "$PY" -m benchmarks.gpu_kernels --out "$d/mosaic" --impls mosaic --kv bf16 --batches 1,16 \
     --budget-s 40 ${KERNELS_ARGS:-} 2>&1 | tee -a "$d/bench.log" || rc=1
   cat "$d"/*/bench.md > "$OUT_DIR/kernels_bench.md" 2>/dev/null
   grep -E "passed|failed|error" "$d/tests.log" | tail -3 > "$OUT_DIR/kernels_tests.txt"
@@ -112,11 +112,11 @@ stage_seed() {  # ~2.5 min (+ ~2.5 min with SEED_FP8=1)
               --moe gathered)
   local rc=0
   echo "== seed-shaped synthetic, XLA attention, bf16 KV cache"
-  timeout 200 "$PY" benchmarks/synthetic.py "${args[@]}" --batch-sizes 1 16 --out "$d/bf16kv" 2>&1 \
+  timeout 200 "$PY" -m benchmarks.synthetic "${args[@]}" --batch-sizes 1 16 --out "$d/bf16kv" 2>&1 \
     | tee "$d/seed.log" || rc=1
   if [ "${SEED_FP8:-0}" = 1 ]; then  # Pallas programs compile in ~60 s each on jax 0.11 (measured)
     echo "== seed-shaped synthetic, Pallas attention + FP8 KV cache, batch 1"
-    timeout 240 "$PY" benchmarks/synthetic.py "${args[@]}" --batch-sizes 1 --attention auto \
+    timeout 240 "$PY" -m benchmarks.synthetic "${args[@]}" --batch-sizes 1 --attention auto \
       --kv-cache-dtype float8_e4m3fn --out "$d/fp8kv" 2>&1 | tee -a "$d/seed.log" || rc=1
   fi
   for f in "$d"/*/synthetic.md; do cp "$f" "$OUT_DIR/seed_$(basename "$(dirname "$f")").md"; done 2>/dev/null
@@ -130,11 +130,11 @@ stage_identity() {  # ~2.5 min: bf16 ~35 s, f32 ~90 s (measured)
                 --ks 3 --max-new-tokens 64 --batch 64)
   local rc=0
   echo "== greedy identity on the GPU: SmolLM2-135M + shipped heads, K=3, bf16"
-  timeout 150 "$PY" benchmarks/acceptance.py "${common[@]}" --dtype bfloat16 ${IDENTITY_ARGS:-} --out "$d/bf16" 2>&1 \
+  timeout 150 "$PY" -m benchmarks.acceptance "${common[@]}" --dtype bfloat16 ${IDENTITY_ARGS:-} --out "$d/bf16" 2>&1 \
     | tee "$d/identity.log" || rc=1
   # f32 with full-precision matmuls (XLA:GPU's default f32 dot precision is TF32-like).
   echo "== greedy identity on the GPU: same, float32, JAX_DEFAULT_MATMUL_PRECISION=highest"
-  JAX_DEFAULT_MATMUL_PRECISION=highest timeout 200 "$PY" benchmarks/acceptance.py "${common[@]}" --dtype float32 \
+  JAX_DEFAULT_MATMUL_PRECISION=highest timeout 200 "$PY" -m benchmarks.acceptance "${common[@]}" --dtype float32 \
     ${IDENTITY_ARGS:-} --out "$d/f32" 2>&1 | tee -a "$d/identity.log" || rc=1
   for t in bf16 f32; do cp "$d/$t/acceptance.md" "$OUT_DIR/identity_$t.md" 2>/dev/null; done
   return $rc

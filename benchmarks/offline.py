@@ -1,13 +1,13 @@
 """Offline benchmark: speculative_generate on HumanEval and MT-Bench, none / EAGLE-3 / P-EAGLE x K x batch.
 
-  .venv/bin/python benchmarks/offline.py --peagle-head DIR --eagle3-head DIR \
+  .venv/bin/python -m benchmarks.offline --peagle-head DIR --eagle3-head DIR \
       [--dataset humaneval mtbench] [--limit N] [--ks 3 5 7] [--batch-sizes 1 2 4] \
       [--max-new-tokens 256] [--hf-peer] [--assistant PATH] [--out results/offline]
 
 Without trained heads add `--random-heads` (random-weight drafters, acceptance ~1; the pipeline
 runs, the speed-ups are NOT meaningful and every output says "RANDOM HEADS"). A tiny CPU check:
 
-  .venv/bin/python benchmarks/offline.py --random-heads --limit 4 --ks 3 --max-new-tokens 32 --hf-peer
+  .venv/bin/python -m benchmarks.offline --random-heads --limit 4 --ks 3 --max-new-tokens 32 --hf-peer
 
 What is measured, per (dataset, method, K, batch size), all in ONE run:
   * output tokens/s = generated tokens (EOS included) / wall time of the `speculative_generate`
@@ -38,9 +38,6 @@ import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
@@ -146,102 +143,130 @@ def _batches(n: int, b: int) -> list[list[int]]:
 
 
 def _first_diff(a: list[int], b: list[int]) -> int:
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):  # lengths may differ: the shorter one bounds it
         if x != y:
             return i
     return min(len(a), len(b))
 
 
-def run(args) -> dict[str, Any]:
-    import jax
-
-    from peagle_jax.generate import speculative_generate
-    from peagle_jax.generate.speculative import prompt_bucket
-
-    llm, target_path, target_label, tok, eos = _load(args)
-    target = llm.target
-    drafters, head_labels, skipped = _drafters(args, llm)
-    random_heads = any("RANDOM" in v for v in head_labels.values())
-    if random_heads:
-        print(f"WARNING: {RANDOM_BANNER}", file=sys.stderr)
+def _configs(args, drafters: dict[str, Any]) -> list[tuple[str, int]]:
+    """(method, K) pairs to time; ("none", 0) is always first, as the reference for speed-ups and tokens."""
     configs: list[tuple[str, int]] = [("none", 0)] if "none" in args.methods else []
     for m in ("eagle3", "peagle"):
         if m in drafters:
             configs += [(m, k) for k in args.ks]
     if ("none", 0) not in configs:
         configs.insert(0, ("none", 0))  # the reference for speed-ups and the token check
+    return configs
+
+
+def _hf_peer(args, target_path, eos, tok, skipped: dict[str, str]):
+    """The HF transformers peers (None when off or impossible; the reason then goes to `skipped`)."""
     hf_peer = args.hf_peer if args.hf_peer is not None else (target_path is not None and args.target == "default")
-    peer = None
-    if hf_peer:
-        if target_path is None:
-            skipped["hf_peer"] = "the HF peer needs real weights (not --target tiny)"
-        else:
-            from benchmarks.peer_hf import HFPeer
+    if not hf_peer:
+        return None
+    if target_path is None:
+        skipped["hf_peer"] = "the HF peer needs real weights (not --target tiny)"
+        return None
+    from benchmarks.peer_hf import HFPeer
 
-            peer = HFPeer(target_path, eos, tok.pad_token_id, prompt_lookup_tokens=args.prompt_lookup_tokens,
-                          assistant=args.assistant, torch_threads=args.torch_threads)
-            skipped.update(peer.skipped)
+    peer = HFPeer(target_path, eos, tok.pad_token_id, prompt_lookup_tokens=args.prompt_lookup_tokens,
+                  assistant=args.assistant, torch_threads=args.torch_threads)
+    skipped.update(peer.skipped)
+    return peer
 
-    n_new = args.max_new_tokens
-    stats: dict[tuple, dict[str, Any]] = {}
-    outputs: dict[tuple, dict[int, list[int]]] = defaultdict(dict)
-    warmed: set = set()
-    datasets = {}
-    compile_s = 0.0
-    for ds in args.dataset:
-        items = common.load_prompts(ds, style=args.humaneval_style, category=args.category if ds == "mtbench" else None,
-                                    limit=args.limit)
-        if not items:
-            raise SystemExit(f"{ds}: no prompts (category {args.category!r}?)")
-        prompts = [common.encode_prompt(tok, it) for it in items]
-        datasets[ds] = dict(prompts=len(items), ids=[it["id"] for it in items],
-                            prompt_tokens_mean=float(np.mean([len(p) for p in prompts])),
-                            buckets=sorted({prompt_bucket(len(p)) for p in prompts}))
-        print(f"[{ds}] {len(items)} prompts, mean {datasets[ds]['prompt_tokens_mean']:.0f} prompt tokens, "
-              f"buckets {datasets[ds]['buckets']}")
-        for bsz in args.batch_sizes:
-            for bi, idx in enumerate(_batches(len(prompts), bsz)):
-                batch = [prompts[i] for i in idx]
-                order = configs[bi % len(configs):] + configs[: bi % len(configs)]
-                for method, k in order:
-                    kw = dict(method=method, num_draft_tokens=max(k, 1), max_new_tokens=n_new, eos_token_ids=eos,
-                              temperature=0.0, seed=args.seed)
-                    drafter = drafters.get(method)
-                    shape = (method, k, bsz, prompt_bucket(max(len(p) for p in batch)))
-                    if shape not in warmed:
-                        t0 = time.perf_counter()
-                        speculative_generate(target, drafter, batch, **kw)
-                        compile_s += time.perf_counter() - t0
-                        warmed.add(shape)
-                    t0 = time.perf_counter()
-                    r = speculative_generate(target, drafter, batch, **kw)
-                    dt = time.perf_counter() - t0
-                    s = stats.setdefault((ds, method, k, bsz), dict(
-                        tokens=0, seconds=0.0, calls=0, rounds=0, accepted=np.zeros(max(k, 1), np.int64)))
-                    s["tokens"] += int(r.lengths.sum())
-                    s["seconds"] += dt
-                    s["calls"] += 1
-                    s["rounds"] += int(r.rounds.sum())
-                    if k:
-                        s["accepted"] += r.accepted_per_position
-                    for j, i in enumerate(idx):  # filler repeats keep the first output
-                        outputs[(ds, method, k, bsz)].setdefault(i, r.tokens[j])
-                if peer is not None and bsz == 1:
-                    if "hf" not in warmed:
-                        peer.warm_up(batch[0])
-                        warmed.add("hf")
-                    for m in peer.methods:
-                        toks, dt = peer.generate(m, batch[0], n_new)
-                        s = stats.setdefault((ds, m, 0, 1), dict(tokens=0, seconds=0.0, calls=0, rounds=0,
-                                                                 accepted=np.zeros(1, np.int64)))
-                        s["tokens"] += len(toks)
-                        s["seconds"] += dt
-                        s["calls"] += 1
-                        outputs[(ds, m, 0, 1)][idx[0]] = toks
-            line = "  ".join(f"{m}{'/K' + str(k) if k else ''} {v['tokens'] / v['seconds']:.1f}"
-                             for (d, m, k, b), v in stats.items() if d == ds and b == bsz)
-            print(f"[{ds}] B={bsz}: tok/s  {line}")
 
+def _dataset_prompts(args, ds: str, tok) -> tuple[list[list[int]], dict[str, Any]]:
+    """The encoded prompts of dataset `ds` and its summary (count, ids, mean length, buckets)."""
+    from peagle_jax.generate.speculative import prompt_bucket
+
+    items = common.load_prompts(ds, style=args.humaneval_style, category=args.category if ds == "mtbench" else None,
+                                limit=args.limit)
+    if not items:
+        raise SystemExit(f"{ds}: no prompts (category {args.category!r}?)")
+    prompts = [common.encode_prompt(tok, it) for it in items]
+    info = dict(prompts=len(items), ids=[it["id"] for it in items],
+                prompt_tokens_mean=float(np.mean([len(p) for p in prompts])),
+                buckets=sorted({prompt_bucket(len(p)) for p in prompts}))
+    print(f"[{ds}] {len(items)} prompts, mean {info['prompt_tokens_mean']:.0f} prompt tokens, "
+          f"buckets {info['buckets']}")
+    return prompts, info
+
+
+class _Measurements:
+    """What the timed runs accumulate, keyed by (dataset, method, K, batch size)."""
+
+    def __init__(self) -> None:
+        self.stats: dict[tuple, dict[str, Any]] = {}
+        self.outputs: dict[tuple, dict[int, list[int]]] = defaultdict(dict)
+        self.warmed: set = set()  # shapes (and "hf") already compiled / warmed up
+        self.compile_s = 0.0
+
+    def stat(self, key: tuple) -> dict[str, Any]:
+        k = key[2]
+        return self.stats.setdefault(key, dict(tokens=0, seconds=0.0, calls=0, rounds=0,
+                                               accepted=np.zeros(max(k, 1), np.int64)))
+
+
+def _time_ours(args, meas: _Measurements, target, drafter, key: tuple, idx: list[int], batch: list, eos) -> None:
+    """One timed `speculative_generate` call; a new shape is first compiled by an identical untimed call."""
+    from peagle_jax.generate import speculative_generate
+    from peagle_jax.generate.speculative import prompt_bucket
+
+    ds, method, k, bsz = key
+    kw = dict(method=method, num_draft_tokens=max(k, 1), max_new_tokens=args.max_new_tokens, eos_token_ids=eos,
+              temperature=0.0, seed=args.seed)
+    shape = (method, k, bsz, prompt_bucket(max(len(p) for p in batch)))
+    if shape not in meas.warmed:
+        t0 = time.perf_counter()
+        speculative_generate(target, drafter, batch, **kw)
+        meas.compile_s += time.perf_counter() - t0
+        meas.warmed.add(shape)
+    t0 = time.perf_counter()
+    r = speculative_generate(target, drafter, batch, **kw)
+    dt = time.perf_counter() - t0
+    s = meas.stat(key)
+    s["tokens"] += int(r.lengths.sum())
+    s["seconds"] += dt
+    s["calls"] += 1
+    s["rounds"] += int(r.rounds.sum())
+    if k:
+        s["accepted"] += r.accepted_per_position
+    for j, i in enumerate(idx):  # filler repeats keep the first output
+        meas.outputs[key].setdefault(i, r.tokens[j])
+
+
+def _time_peer(meas: _Measurements, peer, ds: str, prompt_id: int, prompt, n_new: int) -> None:
+    """Every HF peer method on one prompt (batch 1); the first call warms the peers up."""
+    if "hf" not in meas.warmed:
+        peer.warm_up(prompt)
+        meas.warmed.add("hf")
+    for m in peer.methods:
+        toks, dt = peer.generate(m, prompt, n_new)
+        s = meas.stat((ds, m, 0, 1))
+        s["tokens"] += len(toks)
+        s["seconds"] += dt
+        s["calls"] += 1
+        meas.outputs[(ds, m, 0, 1)][prompt_id] = toks
+
+
+def _bench_batch_size(args, meas: _Measurements, target, drafters, configs, peer, ds: str, prompts, bsz: int,
+                      eos) -> None:
+    """All configs (and at B=1 the HF peers) on every batch of `bsz` prompts, rotating the config order."""
+    for bi, idx in enumerate(_batches(len(prompts), bsz)):
+        batch = [prompts[i] for i in idx]
+        order = configs[bi % len(configs):] + configs[: bi % len(configs)]
+        for method, k in order:
+            _time_ours(args, meas, target, drafters.get(method), (ds, method, k, bsz), idx, batch, eos)
+        if peer is not None and bsz == 1:
+            _time_peer(meas, peer, ds, idx[0], batch[0], args.max_new_tokens)
+    line = "  ".join(f"{m}{'/K' + str(k) if k else ''} {v['tokens'] / v['seconds']:.1f}"
+                     for (d, m, k, b), v in meas.stats.items() if d == ds and b == bsz)
+    print(f"[{ds}] B={bsz}: tok/s  {line}")
+
+
+def _result_rows(stats: dict[tuple, dict[str, Any]], head_labels: dict[str, str]) -> list[dict[str, Any]]:
+    """One row per (dataset, method, K, B): tok/s, acceptance, speed-ups over "none" and the best EAGLE-3 K."""
     rows = []
     for (ds, m, k, bsz), s in stats.items():
         tok_s = s["tokens"] / s["seconds"] if s["seconds"] else float("nan")
@@ -260,8 +285,11 @@ def run(args) -> dict[str, Any]:
         e3 = [r["tok_s"] for r in rows if r["dataset"] == row["dataset"] and r["method"] == "eagle3"
               and r["batch_size"] == row["batch_size"]]
         row["speedup_vs_best_eagle3"] = row["tok_s"] / max(e3) if e3 else None
+    return rows
 
-    # Exactness: same greedy tokens as "none" at the same batch size; "none" B vs B=1; HF vs ours.
+
+def _exactness(outputs: dict[tuple, dict[int, list[int]]], datasets: dict[str, Any]) -> tuple[list[dict], int]:
+    """(mismatches, outputs compared): greedy tokens vs "none" at the same B; "none" B and HF vs "none" B=1."""
     mismatches = []
     checked = 0
     for (ds, m, k, bsz), outs in outputs.items():
@@ -277,19 +305,44 @@ def run(args) -> dict[str, Any]:
                 mismatches.append(dict(dataset=ds, method=m, k=k, batch_size=bsz, reference=f"none@B={ref_key[3]}",
                                        prompt=datasets[ds]["ids"][i], first_diff=_first_diff(toks, ref[i]),
                                        len=len(toks), ref_len=len(ref[i])))
+    return mismatches, checked
+
+
+def run(args) -> dict[str, Any]:
+    import jax
+
+    llm, target_path, target_label, tok, eos = _load(args)
+    drafters, head_labels, skipped = _drafters(args, llm)
+    random_heads = any("RANDOM" in v for v in head_labels.values())
+    if random_heads:
+        print(f"WARNING: {RANDOM_BANNER}", file=sys.stderr)
+    configs = _configs(args, drafters)
+    peer = _hf_peer(args, target_path, eos, tok, skipped)
+
+    meas = _Measurements()
+    datasets = {}
+    for ds in args.dataset:
+        prompts, datasets[ds] = _dataset_prompts(args, ds, tok)
+        for bsz in args.batch_sizes:
+            _bench_batch_size(args, meas, llm.target, drafters, configs, peer, ds, prompts, bsz, eos)
+
+    rows = _result_rows(meas.stats, head_labels)
+    # Exactness: same greedy tokens as "none" at the same batch size; "none" B vs B=1; HF vs ours.
+    mismatches, checked = _exactness(meas.outputs, datasets)
     ours_mm = [x for x in mismatches if not x["method"].startswith("hf_")]
     if ours_mm:
-        print(f"WARNING: {len(ours_mm)} greedy output mismatches between our methods (see 'mismatches')", file=sys.stderr)
+        print(f"WARNING: {len(ours_mm)} greedy output mismatches between our methods (see 'mismatches')",
+              file=sys.stderr)
 
     summary = dict(
         benchmark="offline", random_heads=random_heads, banner=RANDOM_BANNER if random_heads else None,
         machine=common.machine_info(), target=target_label, heads=head_labels, skipped=skipped,
         settings=dict(datasets=args.dataset, humaneval_style=args.humaneval_style, category=args.category,
-                      limit=args.limit, ks=args.ks, batch_sizes=args.batch_sizes, max_new_tokens=n_new,
+                      limit=args.limit, ks=args.ks, batch_sizes=args.batch_sizes, max_new_tokens=args.max_new_tokens,
                       eos_token_ids=eos, ignore_eos=args.ignore_eos, greedy=True,
                       prompt_lookup_tokens=args.prompt_lookup_tokens if peer else None,
                       assistant=args.assistant, torch_threads=peer.torch_threads if peer else None),
-        datasets=datasets, compile_and_warmup_seconds=compile_s, results=rows,
+        datasets=datasets, compile_and_warmup_seconds=meas.compile_s, results=rows,
         exactness=dict(compared=checked, mismatches=mismatches, ours_identical=not ours_mm,
                        hf_identical=not [x for x in mismatches if x["method"].startswith("hf_")]),
         jax_backend=jax.default_backend(),
@@ -343,12 +396,12 @@ def _plots(summary: dict[str, Any], out: Path) -> None:
     tag = " [RANDOM HEADS]" if summary["random_heads"] else ""
     datasets = list(summary["datasets"])
     fig, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4.5), squeeze=False)
-    for ax, ds in zip(axes[0], datasets):
+    for ax, ds in zip(axes[0], datasets, strict=True):
         series = sorted({(r["method"], r["k"]) for r in rows if r["dataset"] == ds})
         for m, k in series:
             pts = sorted((r["batch_size"], r["tok_s"]) for r in rows if r["dataset"] == ds and r["method"] == m
                          and r["k"] == k)
-            xs, ys = zip(*pts)
+            xs, ys = zip(*pts, strict=True)
             ax.plot(xs, ys, marker="o", linestyle="--" if m.startswith("hf_") else "-",
                     label=f"{m}" + (f" K={k}" if k else ""))
         ax.set_xscale("log", base=2)
@@ -360,7 +413,7 @@ def _plots(summary: dict[str, Any], out: Path) -> None:
     common.save_figure(fig, out / "offline_throughput.png")
 
     fig, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4.5), squeeze=False)
-    for ax, ds in zip(axes[0], datasets):
+    for ax, ds in zip(axes[0], datasets, strict=True):
         # Acceptance does not depend on the batch size under greedy decoding: use the smallest B.
         spec = [r for r in rows if r["dataset"] == ds and r.get("acceptance_per_position")]
         bmin = min((r["batch_size"] for r in spec), default=1)

@@ -3,7 +3,7 @@
   # terminal 1: a server, its method fixed at start (here P-EAGLE, K=7)
   .venv/bin/python -m peagle_jax.serve --drafter DIR --method peagle -k 7 --max-batch-size 64
   # terminal 2: the load, labelled with that method
-  .venv/bin/python benchmarks/online.py --base-url http://127.0.0.1:8000/v1 --label peagle-K7 \
+  .venv/bin/python -m benchmarks.online --base-url http://127.0.0.1:8000/v1 --label peagle-K7 \
       [--concurrency 1 2 4 8 16 32 64] [--requests 64] [--time-limit 120] [--max-tokens 256] \
       [--dataset humaneval] [--limit N] [--out results/online]
 
@@ -30,14 +30,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
@@ -230,7 +226,8 @@ def write_report(run: dict[str, Any], out: Path, *, fresh: bool = False) -> dict
     table = []
     for label, r in doc["runs"].items():
         s = r["settings"]
-        md.append(f"- **{label}**: {r['base_url']} model {r['model']}, server {r.get('server_health', {}).get('method', '?')}"
+        server = r.get("server_health", {}).get("method", "?")
+        md.append(f"- **{label}**: {r['base_url']} model {r['model']}, server {server}"
                   f", {s['dataset']} ({s['prompts']} prompts), max_tokens {s['max_tokens']}")
         for lvl in r["levels"]:
             ms = lambda x: None if x is None else 1000 * x  # noqa: E731
@@ -251,7 +248,7 @@ def write_report(run: dict[str, Any], out: Path, *, fresh: bool = False) -> dict
         axes[0].plot(cs, [x["output_tok_s"] for x in lv], marker="o", label=label)
         axes[1].plot(cs, [1000 * (x["ttft_p50"] or 0) for x in lv], marker="o", label=label)
         axes[2].plot(cs, [1000 * (x["tpot_p50"] or 0) for x in lv], marker="o", label=label)
-    for ax, title in zip(axes, ("output tokens/s", "TTFT p50 (ms)", "TPOT p50 (ms)")):
+    for ax, title in zip(axes, ("output tokens/s", "TTFT p50 (ms)", "TPOT p50 (ms)"), strict=True):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")
         ax.set_title(title)

@@ -10,22 +10,18 @@ Three peers, all batch 1, all greedy, same prompts / token budget / EOS ids as o
                     (a .gguf file or an HF directory); otherwise it is skipped and the report says so.
 HF's assisted/prompt-lookup generation supports batch size 1 only, so the peers run at batch 1.
 
-Run inside the offline report: `.venv/bin/python benchmarks/offline.py --hf-peer ...` (see
+Run inside the offline report: `.venv/bin/python -m benchmarks.offline --hf-peer ...` (see
 offline.py). Standalone, on HumanEval:
 
-  .venv/bin/python benchmarks/peer_hf.py [--limit 4] [--max-new-tokens 64] [--assistant PATH]
+  .venv/bin/python -m benchmarks.peer_hf [--limit 4] [--max-new-tokens 64] [--assistant PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PEER_METHODS = ("hf_greedy", "hf_prompt_lookup", "hf_assisted")
 
@@ -157,7 +153,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     common.write_json(out / "peer_hf.json", summary)
     md = common.md_table(["method", "tok/s", "tokens", "same as hf_greedy"],
                          [[m, r["tok_s"], r["tokens"], r["identical_to_hf_greedy"]] for m, r in rows.items()])
-    (out / "peer_hf.md").write_text(md + "\n" + "".join(f"\n- {k} skipped: {v}" for k, v in peer.skipped.items()) + "\n")
+    skipped = "".join(f"\n- {k} skipped: {v}" for k, v in peer.skipped.items())
+    (out / "peer_hf.md").write_text(md + "\n" + skipped + "\n")
     return summary
 
 

@@ -1,10 +1,10 @@
 """Synthetic-acceptance benchmark: the speculative loop's throughput at a fixed acceptance length.
 
-  .venv/bin/python benchmarks/synthetic.py --shape llama3-8b [--layers N] [--dtype bfloat16] \
+  .venv/bin/python -m benchmarks.synthetic --shape llama3-8b [--layers N] [--dtype bfloat16] \
       [--batch-sizes 1 4 16] [--ks 3 5 7] [--target-al 1 2 4] [--prompt-len 128] \
       [--max-new-tokens 256] [--repeats 3] [--out results/synthetic]
 
-  CPU smoke scale:  .venv/bin/python benchmarks/synthetic.py --shape tiny --max-new-tokens 32 --ks 3
+  CPU smoke scale:  .venv/bin/python -m benchmarks.synthetic --shape tiny --max-new-tokens 32 --ks 3
 
 SYNTHETIC, and labelled so in every output: the target has RANDOM WEIGHTS in a published shape
 (`llama3-8b`: Llama-3-8B; `qwen3-30b-a3b`: Qwen3-30B-A3B MoE; `tiny`/`tiny-moe`: CPU stand-ins;
@@ -28,7 +28,7 @@ random-weight head of its kind every round, so drafting cost is in the timing: P
 (K forwards per round). Reports tok/s of none / EAGLE-3 / P-EAGLE per K and the ratios of the
 best K of each, next to the published ones:
 
-  python benchmarks/synthetic.py --shape qwen3-30b-a3b --layers 12 --dtype bfloat16 \
+  python -m benchmarks.synthetic --shape qwen3-30b-a3b --layers 12 --dtype bfloat16 \
       --replay humaneval-blog --ks 3 7 --batch-sizes 1 16 --moe gathered --out results/seed_shape
 
 Writes results/synthetic/synthetic.{json,md}, synthetic_throughput.png, synthetic_acceptance.png.
@@ -41,9 +41,6 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
@@ -251,7 +248,8 @@ def run(args) -> dict[str, Any]:
             d = next(v for (kk, _), v in oracles.items() if kk == k)
             speculative_generate(target, d, prompts, method="peagle", num_draft_tokens=k, **kw)
             compile_s += time.perf_counter() - t0
-        def generate(plan):
+        # time_interleaved calls generate within this iteration; the defaults bind this batch's values.
+        def generate(plan, prompts=prompts, kw=kw, oracles=oracles):
             method, k, w = plan[:3]
             if method == "none":
                 return speculative_generate(target, None, prompts, method="none", **kw)
@@ -328,7 +326,8 @@ def run_replay(args, cfg, target, label: str, init_s: float) -> dict[str, Any]:
             speculative_generate(target, oracles[m], prompts, method=m, num_draft_tokens=k, **kw)
             compile_s += time.perf_counter() - t0
             print(f"compiled B={bsz} {m} K={k} ({time.perf_counter() - t0:.1f} s)", flush=True)
-        def generate(plan):
+        # time_interleaved calls generate within this iteration; the defaults bind this batch's values.
+        def generate(plan, prompts=prompts, kw=kw, oracles=oracles):
             m, k = plan
             if m == "none":
                 return speculative_generate(target, None, prompts, method="none", **kw)
@@ -358,7 +357,8 @@ def run_replay(args, cfg, target, label: str, init_s: float) -> dict[str, Any]:
               for bsz in args.batch_sizes]
     for r in ratios:
         print(f"B={r['batch_size']}: best P-EAGLE (K={r['best_peagle_k']}) x{r['peagle_over_none']:.2f} over none, "
-              f"x{r['peagle_over_eagle3']:.2f} over best EAGLE-3 (K={r['best_eagle3_k']}, x{r['eagle3_over_none']:.2f})")
+              f"x{r['peagle_over_eagle3']:.2f} over best EAGLE-3 "
+              f"(K={r['best_eagle3_k']}, x{r['eagle3_over_none']:.2f})")
     return dict(
         benchmark="synthetic-replay", synthetic=True, banner=label, machine=common.machine_info(),
         model=dict(shape=args.shape, config={k: v for k, v in cfg.__dict__.items()}, parameters=count(target),
@@ -437,7 +437,7 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
             pts = sorted((r["mean_acceptance_length"], r["tok_s"]) for r in rows
                          if r["batch_size"] == bsz and r["k"] == k)
             if pts:
-                xs, ys = zip(*pts)
+                xs, ys = zip(*pts, strict=True)
                 ax.plot(xs, ys, marker="o", label=f"B={bsz} K={k}")
     ax.set_xlabel("measured acceptance length")
     ax.set_ylabel("output tokens/s (dotted: no speculation)")

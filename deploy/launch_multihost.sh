@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Launch one process per host of a multi-host JAX job (run this script on every host).
 #
-#   COORDINATOR=10.0.0.1:1234 NUM_HOSTS=2 HOST_ID=0 bash serve/launch_multihost.sh generate --mesh data=1,model=16 ...
-#   COORDINATOR=10.0.0.1:1234 NUM_HOSTS=2 HOST_ID=1 bash serve/launch_multihost.sh generate --mesh data=1,model=16 ...
+#   COORDINATOR=10.0.0.1:1234 NUM_HOSTS=2 HOST_ID=0 bash deploy/launch_multihost.sh generate --mesh data=1,model=16 ...
+#   COORDINATOR=10.0.0.1:1234 NUM_HOSTS=2 HOST_ID=1 bash deploy/launch_multihost.sh generate --mesh data=1,model=16 ...
 #
 # The first argument picks the entry point (generate | train); the rest is passed on. The
 # server is single-host: multi-host serving would need every host to run the engine loop in
@@ -21,6 +21,6 @@ cd "$(dirname "$0")/.."
 case "$entry" in
   serve) echo "multi-host serving is not supported: run python -m peagle_jax.serve on one host (--mesh over its devices)" >&2; exit 2 ;;
   generate) exec .venv/bin/python -m peagle_jax.generate "$@" ;;
-  train) exec .venv/bin/python -m train.train "$@" ;;
+  train) exec .venv/bin/python -m peagle_jax.train.train "$@" ;;
   *) echo "unknown entry point $entry (generate | train)"; exit 2 ;;
 esac

@@ -1,7 +1,7 @@
 """Talk to `python -m peagle_jax.serve` with the official openai client.
 
     python -m peagle_jax.serve            # in another terminal (127.0.0.1:8000)
-    python serve/openai_client.py
+    python deploy/openai_client.py
 """
 
 from openai import OpenAI

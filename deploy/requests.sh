@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Example requests against `python -m peagle_jax.serve` (default 127.0.0.1:8000).
-# Usage: serve/requests.sh [BASE_URL]   (set PEAGLE_API_KEY if the server was started with --api-key)
+# Usage: deploy/requests.sh [BASE_URL]   (set PEAGLE_API_KEY if the server was started with --api-key)
 set -euo pipefail
 BASE=${1:-http://127.0.0.1:8000}
 DIR=$(cd "$(dirname "$0")" && pwd)

@@ -94,11 +94,12 @@ def default_sm_scale(d: int, sm_scale: float | None) -> float:
     return 1.0 / float(d) ** 0.5 if sm_scale is None else float(sm_scale)
 
 
-def combine_splits(o, m, l, out_dtype):
-    """Merge split-K partials: o ``[..., P, M, D]`` (unnormalized), m/l ``[..., P, M]``."""
+def combine_splits(o, m, denom, out_dtype):
+    """Merge split-K partials: o ``[..., P, M, D]`` (unnormalized), m (row max) / denom (softmax
+    denominator) ``[..., P, M]``."""
     m_max = jnp.max(m, axis=-2, keepdims=True)
     w = jnp.exp(m - m_max)  # empty splits have m = -1e30 -> weight 0
-    l_tot = jnp.sum(w * l, axis=-2)
+    l_tot = jnp.sum(w * denom, axis=-2)
     o_tot = jnp.sum(w[..., None] * o, axis=-3)
     l_tot = jnp.where(l_tot > 0, l_tot, 1.0)
     return (o_tot / l_tot[..., None]).astype(out_dtype)

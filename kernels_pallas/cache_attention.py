@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-
 #: Query blocks up to this many rows (decode, verify, drafter steps) are attended row by row.
 ROWWISE_MAX_ROWS = 16
 

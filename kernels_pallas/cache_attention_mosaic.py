@@ -158,7 +158,7 @@ def _kernel(
     for i in range(num_slots):  # prologue: fill the ring
 
         @pl.when(lo + i < hi)
-        def _():
+        def _(i=i):  # traced at once (no late binding); the default makes that explicit
             issue(lo + i, i)
 
     row_layout = plgpu.Layout.WGMMA.reduce(1)

@@ -80,7 +80,7 @@ def scale_granularity(scale: jax.Array | None, b: int, s: int, kvh: int) -> str 
     shape = (1,) * (4 - len(shape)) + shape
     if shape[3] != 1:
         raise ValueError(f"scale must have a trailing dimension of 1, got {scale.shape}")
-    for got, full in zip(shape[:3], (b, s, kvh)):
+    for got, full in zip(shape[:3], (b, s, kvh), strict=True):
         if got not in (1, full):
             raise ValueError(f"scale shape {scale.shape} does not broadcast to {(b, s, kvh, 1)}")
     if shape[0] == 1 and shape[1] == 1:

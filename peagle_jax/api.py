@@ -86,7 +86,7 @@ class LoadedModel:
 
     @classmethod
     def from_target(cls, target, tokenizer=None, *, eos_ids: Sequence[int] = (), drafter=None, method: str = "none",
-                    name: str = "in-memory", dtype: str = "float32") -> "LoadedModel":
+                    name: str = "in-memory", dtype: str = "float32") -> LoadedModel:
         """Wrap a model built in memory (tests, tiny random targets) like a loaded one."""
         return cls(target=target, tokenizer=tokenizer, eos_ids=list(eos_ids), drafter=drafter, method=method,
                    model_path=Path(name), model_name=name, drafter_path=None, options=dict(dtype=dtype))

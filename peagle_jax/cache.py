@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
@@ -29,7 +28,7 @@ class LayerKV(NamedTuple):
         return self.k_scale is not None
 
     def write(self, k_rows: Float[Array, "B T KVH D"], v_rows: Float[Array, "B T KVH D"],
-              positions: Int[Array, "B T"]) -> "LayerKV":
+              positions: Int[Array, "B T"]) -> LayerKV:
         """Write new rows at their positions, quantizing on write for an FP8 cache."""
         if not self.is_fp8:
             return LayerKV(write_rows(self.k, k_rows, positions), write_rows(self.v, v_rows, positions))
@@ -48,7 +47,7 @@ class KVCache(NamedTuple):
     """Per-layer K/V plus the committed length of each sequence."""
 
     layers: tuple[LayerKV, ...]
-    lengths: Int[Array, "B"]
+    lengths: Int[Array, " B"]
 
     @property
     def batch_size(self) -> int:
@@ -67,7 +66,7 @@ class KVCache(NamedTuple):
         num_kv_heads: int,
         head_dim: int,
         dtype=jnp.float32,
-    ) -> "KVCache":
+    ) -> KVCache:
         shape = (batch_size, capacity, num_kv_heads, head_dim)
         dtype = jnp.dtype(dtype)
         if dtype == jnp.float8_e4m3fn:
@@ -81,7 +80,7 @@ class KVCache(NamedTuple):
         layers = tuple(make() for _ in range(num_layers))
         return cls(layers=layers, lengths=jnp.zeros((batch_size,), jnp.int32))
 
-    def with_lengths(self, lengths: Int[Array, "B"]) -> "KVCache":
+    def with_lengths(self, lengths: Int[Array, " B"]) -> KVCache:
         return self._replace(lengths=lengths.astype(jnp.int32))
 
 
@@ -93,14 +92,6 @@ def write_rows(
     return cache.at[b, positions].set(rows.astype(cache.dtype), mode="drop")
 
 
-def select_batch(cache: KVCache, mask: jax.Array, new: KVCache) -> KVCache:
-    """Per-sequence select between two caches (used to freeze finished sequences)."""
-    def pick(a, b):
-        m = mask.reshape((-1,) + (1,) * (a.ndim - 1))
-        return jnp.where(m, b, a)
-    return jax.tree.map(pick, cache, new)
-
-
 def shard_cache(cache: KVCache, mesh) -> KVCache:
     """Constrain K/V to (batch over data, KV heads over model); a no-op without a mesh."""
     if mesh is None:
@@ -109,5 +100,5 @@ def shard_cache(cache: KVCache, mesh) -> KVCache:
 
     b, _, kvh, _ = cache.layers[0].k.shape
     spec = cache_spec(b, kvh, mesh)
-    layers = tuple(LayerKV(*(None if a is None else constrain(a, spec, mesh) for a in l)) for l in cache.layers)
+    layers = tuple(LayerKV(*(None if a is None else constrain(a, spec, mesh) for a in layer)) for layer in cache.layers)
     return cache._replace(layers=layers, lengths=constrain(cache.lengths, type(spec)(spec[0]), mesh))

@@ -18,9 +18,10 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from peagle_jax.checkpoints.params import param_paths
+from peagle_jax.pytree_paths import param_paths
 
 MESH_AXES = ("data", "model")
 
@@ -49,6 +50,7 @@ PARAM_AXES: list[tuple[str, tuple[str | None, ...]]] = [
     (r".*mlp\.down_proj", ("experts", None, "embed")),
     (r"embed_tokens", ("vocab", "embed")),
     (r"lm_head", ("embed", "vocab")),
+    (r"fc\.kernel", ("fc_in", "embed")),  # drafter's tap projection [3 * D_t, H]: replicated on purpose
 ]
 
 
@@ -82,7 +84,7 @@ def make_mesh(spec: str | Mapping[str, int] | None, devices=None) -> Mesh | None
 def logical_to_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
     """PartitionSpec for logical axes; a dimension the mesh axis does not divide stays replicated."""
     spec = []
-    for name, dim in zip(axes, shape):
+    for name, dim in zip(axes, shape, strict=True):
         mesh_axis = RULES.get(name) if name else None
         if mesh_axis is not None and dim % mesh.shape[mesh_axis] != 0:
             mesh_axis = None
@@ -90,11 +92,28 @@ def logical_to_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: 
     return P(*spec)
 
 
-def param_logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
+def _param_rule(path: str, ndim: int) -> tuple[str | None, ...] | None:
+    """Logical axes of the first PARAM_AXES rule naming `path` at this rank; None if none does."""
     for pattern, axes in PARAM_AXES:
         if re.fullmatch(pattern, path) and len(axes) == ndim:
             return axes
-    return (None,) * ndim
+    return None
+
+
+def param_logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
+    axes = _param_rule(path, ndim)
+    return (None,) * ndim if axes is None else axes
+
+
+def unmatched_params(module: nnx.Module, *, min_ndim: int = 2) -> list[str]:
+    """Paths of the parameters of rank >= `min_ndim` that no PARAM_AXES rule names (sorted).
+
+    Such a parameter is replicated on every device without anyone having decided so (e.g. after
+    a rename); a rule whose logical axes all map to None (the MoE router, the drafter's fc)
+    replicates on purpose and counts as a match. Works on abstract modules (`nnx.eval_shape`).
+    """
+    return sorted(path for path, var in param_paths(module).items()
+                  if len(var.value.shape) >= min_ndim and _param_rule(path, len(var.value.shape)) is None)
 
 
 def param_sharding(path: str, shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
@@ -148,7 +167,7 @@ def maybe_initialize_distributed() -> bool:
     """Join a multi-host JAX job when the launcher asked for one; True when in one.
 
     Every entry point (generate, serve, train) calls this once, before touching devices:
-      * JAX_COORDINATOR_ADDRESS + JAX_NUM_PROCESSES + JAX_PROCESS_ID (serve/launch_multihost.sh);
+      * JAX_COORDINATOR_ADDRESS + JAX_NUM_PROCESSES + JAX_PROCESS_ID (deploy/launch_multihost.sh);
       * PEAGLE_DISTRIBUTED=1 (or "auto"): `jax.distributed.initialize()` auto-detects the job
         (SLURM, TPU pods, ...);
       * neither: a single-process run.

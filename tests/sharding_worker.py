@@ -9,7 +9,6 @@ import json
 import sys
 
 import jax
-import numpy as np
 
 from peagle_jax.drafters import DrafterConfig, create_drafter
 from peagle_jax.generate import speculative_generate
@@ -20,7 +19,8 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 
 
 
 def build(arch: str):
-    extra = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, qk_norm=True) if arch == "qwen3_moe" else {}
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, qk_norm=True)
+    extra = moe if arch == "qwen3_moe" else {}
     cfg = ModelConfig(architecture=arch, vocab_size=128, hidden_size=64, intermediate_size=128,
                       num_hidden_layers=3, num_attention_heads=16, num_key_value_heads=8, head_dim=8, **extra)
     target = create_model(cfg, seed=1)
@@ -72,7 +72,8 @@ def serve_texts(mesh_spec: str | None) -> list[str]:
                       num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=8, head_dim=8,
                       max_position_embeddings=512)
     target = create_model(cfg, seed=1)
-    drafter = create_drafter(DrafterConfig.for_target(cfg, num_layers=1, parallel_drafting=True, mask_token_id=49151), 2)
+    drafter = create_drafter(
+        DrafterConfig.for_target(cfg, num_layers=1, parallel_drafting=True, mask_token_id=49151), 2)
     config = ServeConfig(max_batch_size=4, max_model_len=256, num_draft_tokens=3,
                          mesh=mesh_spec or "data=1,model=1", served_model_name="tiny")
     app = create_app(config, target=target, drafter=drafter, tokenizer=tok, eos_ids=eos_token_ids(tok))

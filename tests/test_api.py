@@ -79,9 +79,9 @@ def test_distributed_env_is_read_one_way(monkeypatch):
     with pytest.raises(ValueError, match="JAX_NUM_PROCESSES, JAX_PROCESS_ID"):
         sharding.maybe_initialize_distributed()
     # train uses the same function (it had its own copy, where PEAGLE_DISTRIBUTED meant "1" only)
-    import train.train
+    import peagle_jax.train.train as train_loop
 
-    assert train.train.maybe_initialize_distributed is sharding.maybe_initialize_distributed
+    assert train_loop.maybe_initialize_distributed is sharding.maybe_initialize_distributed
 
 
 def test_chat_ids_accepts_text_or_messages():

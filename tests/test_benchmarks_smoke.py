@@ -98,11 +98,10 @@ def test_synthetic_pattern_model():
 
 def test_online_against_real_server(tmp_path):
     serve = pytest.importorskip("peagle_jax.serve", reason="the server package peagle_jax.serve is not available")
-    from peagle_jax.serve.testing import serve_in_thread
-
     from benchmarks import common, online
     from peagle_jax.checkpoints.default_model import default_model_path
     from peagle_jax.checkpoints.tokenizer import eos_token_ids, load_tokenizer
+    from peagle_jax.serve.testing import serve_in_thread
 
     tok = load_tokenizer(default_model_path())
     target = common.tiny_target(len(tok), layers=2, seed=3)

@@ -19,9 +19,9 @@ pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from peagle_jax.checkpoints import CheckpointError, load_target  # noqa: E402
-from peagle_jax.checkpoints.params import param_paths  # noqa: E402
 from peagle_jax.models.config import ModelConfig  # noqa: E402
 from peagle_jax.models.layers import rope_inv_freq  # noqa: E402
+from peagle_jax.pytree_paths import param_paths  # noqa: E402
 
 SMALL = dict(num_hidden_layers=2)  # loading needs no depth
 

@@ -13,9 +13,10 @@ from safetensors.numpy import load_file, save_file
 
 from peagle_jax.checkpoints import drafter_io
 from peagle_jax.checkpoints.drafter_io import load_drafter, save_drafter
-from peagle_jax.checkpoints.params import CheckpointError, param_paths
+from peagle_jax.checkpoints.params import CheckpointError
 from peagle_jax.drafters import DrafterConfig, create_drafter
 from peagle_jax.models import ModelConfig, create_model
+from peagle_jax.pytree_paths import param_paths
 
 V, H, VD, MASK_ID = 96, 32, 40, 95
 LLAMA3_ROPE = (
@@ -117,7 +118,7 @@ def test_round_trip(tmp_path, target_cfg, layout, peagle):
     (o1, ids1), (o2, ids2) = _forward(d), _forward(loaded)
     np.testing.assert_array_equal(np.asarray(o1.logits), np.asarray(o2.logits))
     np.testing.assert_array_equal(np.asarray(o1.prenorm), np.asarray(o2.prenorm))
-    for l1, l2 in zip(o1.cache.layers, o2.cache.layers):
+    for l1, l2 in zip(o1.cache.layers, o2.cache.layers, strict=True):
         np.testing.assert_array_equal(np.asarray(l1.k), np.asarray(l2.k))
     np.testing.assert_array_equal(np.asarray(ids1), np.asarray(ids2))
     assert np.isin(np.asarray(ids1), _draft_ids()).all()  # draft ids map into the target vocab

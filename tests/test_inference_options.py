@@ -19,7 +19,8 @@ def _pair(seed=1):
     cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=96,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     target = create_model(cfg, seed)
-    drafter = create_drafter(DrafterConfig.for_target(cfg, num_layers=2, parallel_drafting=True, mask_token_id=63), seed + 1)
+    drafter = create_drafter(
+        DrafterConfig.for_target(cfg, num_layers=2, parallel_drafting=True, mask_token_id=63), seed + 1)
     return target, drafter
 
 

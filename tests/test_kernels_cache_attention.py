@@ -240,7 +240,9 @@ def test_fp8_end_to_end_accuracy(granularity):
 
 
 def test_fp8_rejects_bad_granularity():
-    with pytest.raises(ValueError, match="per_token"):
+    # ValueError from the function itself; TypeError (jaxtyping.TypeCheckError) from its
+    # Literal annotation when the tests' run-time type checks are on (tests/conftest.py).
+    with pytest.raises((ValueError, TypeError), match="per_token"):
         quantize_kv(jnp.ones((1, 2, 1, 4)), "per_block")
 
 

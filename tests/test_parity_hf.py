@@ -109,7 +109,7 @@ def case(request, make_tiny_hf, tmp_path_factory):
 
 def _ref_aux(c, i, positions):
     hs = c.ref[i][1]
-    return np.concatenate([hs[l][positions] for l in c.aux_ids], axis=-1)
+    return np.concatenate([hs[layer][positions] for layer in c.aux_ids], axis=-1)
 
 
 # ----------------------------------------------------------------------------- tiny-model parity
@@ -270,7 +270,7 @@ def smollm():
 
 @pytest.mark.slow
 def test_smollm_gguf_logits(smollm):
-    tok, hf, cfg = smollm["tok"], smollm["hf"], smollm["ours"].config
+    hf, cfg = smollm["hf"], smollm["ours"].config
     assert cfg.architecture == "llama" and cfg.num_hidden_layers == hf.config.num_hidden_layers
     assert cfg.tie_word_embeddings and cfg.vocab_size == hf.config.vocab_size
     ids = smollm["raw"]

@@ -3,11 +3,10 @@ cost) and the gathered MoE path used by the seed-shaped synthetic benchmark."""
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from benchmarks import common
 from peagle_jax.drafters.reference import ReferenceDrafter, conditional_acceptance

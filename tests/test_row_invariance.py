@@ -9,7 +9,6 @@ same path. These tests fail on a batch-variant path.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -10,7 +10,6 @@ from scipy import stats
 
 from peagle_jax import sampling as S
 
-
 # ----------------------------------------------------------------------------- helpers
 
 
@@ -38,7 +37,7 @@ def _ref_process(logits: np.ndarray, t: float, k: int, p: float) -> np.ndarray:
 
 
 def _settings(rows):
-    t, k, p = zip(*rows)
+    t, k, p = zip(*rows, strict=True)
     return (
         jnp.asarray(t, jnp.float32),
         jnp.asarray(k, jnp.int32),
@@ -327,7 +326,7 @@ def test_jit_matches_eager_and_runs_in_while_loop():
     x, q = eager
     e = S.verify(key, x, q, target_logits, t, k, p)
     j = jax.jit(S.verify)(key, x, q, target_logits, t, k, p)
-    for a, b in zip(e, j):
+    for a, b in zip(e, j, strict=True):
         np.testing.assert_array_equal(a, b)
 
     # A decode-loop shaped use: draft + verify per step inside lax.while_loop.

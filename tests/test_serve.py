@@ -21,10 +21,10 @@ import httpx
 import openai
 import pytest
 
+from peagle_jax.api import chat_ids
 from peagle_jax.generate import speculative_generate
 from peagle_jax.serve import ServeConfig, create_app
 from peagle_jax.serve.testing import free_port, serve_in_thread
-from peagle_jax.api import chat_ids
 
 K = 3
 MAX_LEN = 256

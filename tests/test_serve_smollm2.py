@@ -8,9 +8,9 @@ import logging
 import openai
 import pytest
 
+from peagle_jax.api import chat_ids
 from peagle_jax.serve import ServeConfig, create_app
 from peagle_jax.serve.testing import serve_in_thread
-from peagle_jax.api import chat_ids
 
 pytestmark = pytest.mark.slow
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # subprocesses with 8 fake devices: minutes
-
 from peagle_jax.sharding import parse_mesh_spec
+
+pytestmark = pytest.mark.slow  # subprocesses with 8 fake devices: minutes
 
 WORKER = Path(__file__).with_name("sharding_worker.py")
 MESHES = ["model=2", "model=4", "model=8", "data=2,model=4"]

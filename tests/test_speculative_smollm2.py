@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from peagle_jax.api import chat_ids
 from peagle_jax.drafters import DrafterConfig, create_drafter
 from peagle_jax.drafters.reference import ReferenceDrafter
 from peagle_jax.generate import speculative_generate
-from peagle_jax.api import chat_ids
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +43,7 @@ def reference(smollm2):
     target, prompts, eos = smollm2
     out = speculative_generate(target, None, prompts, method="none", max_new_tokens=BUDGET + 8, eos_token_ids=eos)
     # The batch must exercise both ways of finishing.
-    short = [r for r, t in zip(out.finish_reasons, out.tokens) if r == "stop" and len(t) < BUDGET]
+    short = [r for r, t in zip(out.finish_reasons, out.tokens, strict=True) if r == "stop" and len(t) < BUDGET]
     assert short and any(len(t) >= BUDGET for t in out.tokens)
     # The oracle's table continues past EOS (greedy without stopping), so even a round that
     # drafts across an EOS is fully accepted.

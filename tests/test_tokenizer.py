@@ -376,7 +376,7 @@ def test_qwen_style_gguf_parity(qwen_style_gguf):
     texts = [t for t in TEXTS if unicodedata.normalize("NFC", t) == t]
     assert len(texts) == len(TEXTS) - 1
     got, want = ours(texts)["input_ids"], ref(texts)["input_ids"]
-    for text, g, w in zip(texts, got, want):
+    for text, g, w in zip(texts, got, want, strict=True):
         assert g == w, text
         assert ours.decode(g) == text
     # The Qwen regex is the one in use: it keeps "$name" and "!!!\n" whole, unlike GPT-2's.

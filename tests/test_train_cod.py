@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from train.cod import cod_sample, depth_sizes, static_slots
+from peagle_jax.train.cod import cod_sample, depth_sizes, static_slots
 
 
 def _row(n, docs, rng, p_loss=0.8):
@@ -51,7 +51,7 @@ def test_cod_invariants(seed, k, anchors):
         assert (doc[a] == doc[sup]).all() and (doc[a] >= 0).all(), "no cross-document element"
         for x in a:
             chains.setdefault(int(x), []).append(d)
-    for a, ds in chains.items():
+    for ds in chains.values():
         assert ds == list(range(1, len(ds) + 1)), "chains are prefixes"
     # chain_idx points at the same anchor at depths 1..d, -1 beyond
     for m in np.flatnonzero(lay.valid):
@@ -80,5 +80,5 @@ def test_cod_deterministic_given_rng():
     lm, doc = _row(80, 3, rng)
     a = cod_sample(lm, doc, num_depths=5, ratio=0.7, ratio_min=0.2, max_anchors=30, rng=np.random.default_rng(9))
     b = cod_sample(lm, doc, num_depths=5, ratio=0.7, ratio_min=0.2, max_anchors=30, rng=np.random.default_rng(9))
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         np.testing.assert_array_equal(x, y)

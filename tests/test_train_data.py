@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from train.data import Doc, PackPlan, chat_tokens, chunk_doc, is_validation, pack_row, stdlib_files
-from train.vocab import draft_ids_from_counts, token_counts, vocab_maps
+from peagle_jax.train.data import Doc, PackPlan, chat_tokens, chunk_doc, is_validation, pack_row, stdlib_files
+from peagle_jax.train.vocab import draft_ids_from_counts, token_counts, vocab_maps
 
 
 def test_draft_vocab_top_counts_sorted_with_forced_ids():
@@ -32,7 +32,8 @@ def test_pack_plan_deterministic_and_shift():
         flat = sorted(i for r in a.epoch_rows(e) for i in r)
         assert flat == list(range(30))  # every document once per epoch
         assert all(sum(lengths[i] - 1 for i in r) <= 24 for r in a.epoch_rows(e))
-    d0 = (np.array([10, 11, 12, 13]), np.array([0, 1, 1, 1]), np.arange(8).reshape(4, 2) * 1.0, np.arange(4)[:, None] * 1.0)
+    d0 = (np.array([10, 11, 12, 13]), np.array([0, 1, 1, 1]), np.arange(8).reshape(4, 2) * 1.0,
+          np.arange(4)[:, None] * 1.0)
     d1 = (np.array([20, 21, 22]), np.array([0, 0, 1]), np.ones((3, 2)), np.full((3, 1), 7.0))
     t, lm, pos, doc, aux, fh = pack_row(8, [d0, d1], 2, 1)
     assert t.tolist() == [11, 12, 13, 21, 22, 0, 0, 0]  # x_{i+1}
@@ -70,7 +71,7 @@ def test_chat_loss_mask_covers_assistant_only():
 
 
 def test_code_window_per_file_spreads_budget():
-    from train.data import code_docs, is_test_file
+    from peagle_jax.train.data import code_docs, is_test_file
 
     class Tok:  # one token per character: windows are easy to check against the file text
         def __call__(self, text, add_special_tokens=False):
@@ -81,7 +82,7 @@ def test_code_window_per_file_spreads_budget():
                     skip_tests=True)
     assert [d.name for d in whole] == [d.name for d in cut]
     assert not any(is_test_file(d.name) for d in cut)
-    for w, c in zip(whole, cut):
+    for w, c in zip(whole, cut, strict=True):
         assert len(c.tokens) == min(64, len(w.tokens))
         # the window is a contiguous slice of the file, at an offset fixed by the name
         s = "".join(map(chr, w.tokens)).find("".join(map(chr, c.tokens)))
@@ -91,14 +92,15 @@ def test_code_window_per_file_spreads_budget():
 
 
 def test_concat_store_reads_several_feature_folders(tmp_path):
-    from train.config import load_config
-    from train.features import ConcatStore, FeatureStore, _write_shard, open_train_store
+    from peagle_jax.train.config import load_config
+    from peagle_jax.train.features import ConcatStore, FeatureStore, _write_shard, open_train_store
 
     def folder(name, lengths, target="t"):
         root = tmp_path / name
         root.mkdir()
         rng = np.random.default_rng(len(name))
-        docs = [Doc(rng.integers(0, 9, n).astype(np.int32), np.ones(n, np.uint8), f"{name}{i}") for i, n in enumerate(lengths)]
+        docs = [Doc(rng.integers(0, 9, n).astype(np.int32), np.ones(n, np.uint8), f"{name}{i}")
+                for i, n in enumerate(lengths)]
         aux = [rng.normal(size=(n, 6)) for n in lengths]
         hid = [rng.normal(size=(n, 2)) for n in lengths]
         shard = _write_shard(root, 0, 0, docs, aux, hid, "float32")
@@ -117,6 +119,7 @@ def test_concat_store_reads_several_feature_folders(tmp_path):
     c, _ = folder("c", [4], target="other")
     with pytest.raises(ValueError, match="different targets"):
         ConcatStore([FeatureStore(a), FeatureStore(c)])
-    bad = load_config(None, {"run_dir": str(tmp_path / "r"), "data": {"extra_train_features": [str(tmp_path / "nope")]}})
+    bad = load_config(None, {"run_dir": str(tmp_path / "r"),
+                             "data": {"extra_train_features": [str(tmp_path / "nope")]}})
     with pytest.raises(FileNotFoundError, match="extra_train_features"):
         open_train_store(bad, a)

@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import numpy as np
-
 import pytest
 
 from peagle_jax.checkpoints.drafter_io import load_drafter
 from peagle_jax.generate import speculative_generate
-from train.config import load_config
-from train.export import export
-from train.train import Trainer
+from peagle_jax.train.config import load_config
+from peagle_jax.train.export import export
+from peagle_jax.train.train import Trainer
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=256)

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
-from train.config import TrainConfig, load_config, parse_overrides
-from train.train import Trainer
+from peagle_jax.train.config import TrainConfig, load_config, parse_overrides
+from peagle_jax.train.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -46,9 +47,9 @@ def test_config_overrides(tmp_path):
     cfg = load_config(path, over)
     assert cfg.optim.lr == 2e-4 and cfg.objective.num_depths == 6 and cfg.objective.method == "eagle3"
     assert cfg.data.noise_std == 0.05 and cfg.drafter.draft_vocab_size is None and cfg.run_dir == "/x"
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen_instance"):
         cfg.optim.lr = 1.0  # frozen
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="extra_forbidden"):
         load_config(None, {"optim": {"nope": 1}})
     for f in sorted((ROOT / "configs" / "train").glob("*.yaml")):
         TrainConfig.model_validate(__import__("yaml").safe_load(f.read_text()))
@@ -82,7 +83,7 @@ def test_resume_after_crash_gives_same_losses(tmp_path, method):
     rest = resumed.run()
     assert [r["step"] for r in rest] == [3, 4, 5]
     np.testing.assert_allclose([r["loss"] for r in rest], [r["loss"] for r in full[2:]], rtol=1e-5)
-    lines = [json.loads(l) for l in (tmp_path / "crash" / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (tmp_path / "crash" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3, 4, 5]
 
 
@@ -93,7 +94,7 @@ DP_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from test_train_loop import _cfg
     from pathlib import Path
-    from train.train import Trainer
+    from peagle_jax.train.train import Trainer
     tmp = Path({tmp!r})
     out = {{}}
     for n in (1, 2):

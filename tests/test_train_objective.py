@@ -9,9 +9,8 @@ from flax import nnx
 
 from peagle_jax.drafters import DrafterConfig, create_drafter
 from peagle_jax.models import ModelConfig
-from train.cod import cod_batch
-from train.objective import (Rows, _layer_in, _layer_out, _qkv, eagle3_forward, eagle3_loss, kl_terms,
-                             peagle_forward, peagle_loss)
+from peagle_jax.train.cod import cod_batch
+from peagle_jax.train.objective import Rows, eagle3_forward, eagle3_loss, kl_terms, peagle_forward, peagle_loss
 
 V, H, K, N = 48, 32, 4, 40
 TCFG = ModelConfig(architecture="llama", vocab_size=V, hidden_size=H, intermediate_size=48, num_hidden_layers=4,
@@ -63,15 +62,15 @@ def _dense_forward(drafter, embeds, feats, positions, allowed):
     e = embeds[None]
     p = positions[None]
     for layer in drafter.layers:
-        attn_in, res = _layer_in(layer, x, e)
-        q, k, v = _qkv(layer.self_attn, attn_in, p)
+        attn_in, res = layer.attention_input(x, e)
+        q, k, v = layer.self_attn.project_qkv(attn_in, p)
         g = q.shape[2] // k.shape[2]
         k = jnp.repeat(k, g, axis=2)
         v = jnp.repeat(v, g, axis=2)
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
         s = jnp.where(allowed[None, None], s, -jnp.inf)
         a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v).reshape(1, q.shape[1], -1)
-        x = _layer_out(layer, res, a)
+        x = layer.finish(res, layer.self_attn.o_proj(a))
     return x[0]
 
 
@@ -105,7 +104,6 @@ def test_peagle_chain_matches_inference_drafter():
     """A chain element equals the inference forward over [context..anchor, mask x depth]."""
     d = _drafter()
     rows = _rows(b=1, docs=(1,))
-    me = d.embed_tokens[...][V - 1]
     x0, xc = _jit(d, lambda dd, r: peagle_forward(dd, r, dd.embed_tokens[...][V - 1], dd.mask_feature()))(rows)
     logits_c = d.logits_from_prenorm(xc[0])
     valid = np.flatnonzero(np.asarray(rows.chain_valid[0]))
@@ -122,7 +120,8 @@ def test_peagle_chain_matches_inference_drafter():
         a, dep = int(rows.chain_anchor[0, m]), int(rows.chain_depth[0, m])
         L = 48  # fixed padded length: rows past a + dep are causally invisible
         toks = jnp.concatenate([rows.tokens[0, : a + 1], jnp.full((L - a - 1,), V - 1, jnp.int32)])[None]
-        feats = jnp.concatenate([d.project(rows.aux[0, : a + 1]), jnp.broadcast_to(d.mask_feature(), (L - a - 1, H))])[None]
+        feats = jnp.concatenate([d.project(rows.aux[0, : a + 1]),
+                                 jnp.broadcast_to(d.mask_feature(), (L - a - 1, H))])[None]
         pos = jnp.arange(L, dtype=jnp.int32)[None]
         out = infer(st, toks, feats, pos, jnp.array([[a + dep]]))
         np.testing.assert_allclose(np.asarray(out.logits[0, 0]), np.asarray(logits_c[m]), rtol=3e-4, atol=3e-4)
@@ -147,7 +146,8 @@ def test_eagle3_ttt_matches_dense_reference():
         stp.append(np.full(N, s))
         i_all, s_all = np.concatenate(idx), np.concatenate(stp)
         iq, ik, sq, sk = i_all[:, None], i_all[None], s_all[:, None], s_all[None]
-        allowed = (doc[iq] >= 0) & (doc[iq] == doc[ik]) & (((sk == 0) & (ik <= iq)) | ((ik == iq) & (sk >= 1) & (sk <= sq)))
+        causal = ((sk == 0) & (ik <= iq)) | ((ik == iq) & (sk >= 1) & (sk <= sq))
+        allowed = (doc[iq] >= 0) & (doc[iq] == doc[ik]) & causal
         allowed |= np.eye(len(i_all), dtype=bool)
         ref = dense(jnp.concatenate(embeds), jnp.concatenate(feats), jnp.asarray(np.concatenate(poss)),
                              jnp.asarray(allowed))
@@ -177,7 +177,6 @@ def test_kl_terms_vs_numpy():
 def test_peagle_loss_vs_numpy():
     d = _drafter()
     rows = _rows()
-    me = d.embed_tokens[...][V - 1]
     total, count, per = _jit(d, lambda dd, r: peagle_loss(dd, r, dd.embed_tokens[...][V - 1], K))(rows)
     x0, xc = _jit(d, lambda dd, r: peagle_forward(dd, r, dd.embed_tokens[...][V - 1], dd.mask_feature()))(rows)
     dl0 = np.asarray(d.logits_from_prenorm(x0), np.float64)

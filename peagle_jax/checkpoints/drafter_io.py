@@ -40,10 +40,11 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save as _st_serialize
 
-from peagle_jax.checkpoints.params import CheckpointError, assign_params, param_paths
+from peagle_jax.checkpoints.params import CheckpointError, assign_params, raise_if_mismatched
 from peagle_jax.drafters.config import DrafterConfig
 from peagle_jax.drafters.eagle3 import Eagle3Drafter
 from peagle_jax.models.config import ModelConfig
+from peagle_jax.pytree_paths import param_paths
 
 Layout = Literal["aws", "speculators"]
 
@@ -378,9 +379,11 @@ def _mask_token_id(raw: dict[str, Any]) -> int | None:
     return None
 
 
-def _parse_config(
-    raw: dict[str, Any], tensors: Mapping[str, np.ndarray], dtype: str, source: str
-) -> DrafterConfig:
+def _head_fields(raw: dict[str, Any], source: str) -> tuple[dict[str, Any], bool, bool, Any]:
+    """(Llama layer config, declared P-EAGLE, default norm_before_residual, num_depths) per layout.
+
+    The speculators and AWS layouts keep these in different places and default them differently.
+    """
     spec_type = raw.get("speculators_model_type")
     if spec_type is not None:
         if spec_type not in ("eagle3", "peagle"):
@@ -399,7 +402,11 @@ def _parse_config(
         declared_peagle = bool(raw.get("parallel_drafting"))
         default_nbr = False  # vLLM llama_eagle3: getattr(config, "norm_before_residual", False)
         num_depths = raw.get("num_depths")
+    return layer_cfg, declared_peagle, default_nbr, num_depths
 
+
+def _check_supported_options(raw: dict[str, Any], source: str) -> None:
+    """Refuse draft-head variants whose extra norms / inputs this drafter does not implement."""
     unsupported = [k for k in ("norm_before_fc", "fc_norm", "norm_output") if raw.get(k)]
     eagle_cfg = raw.get("eagle_config") or {}
     if eagle_cfg.get("use_aux_hidden_state") is False:
@@ -407,20 +414,33 @@ def _parse_config(
     if unsupported:
         raise CheckpointError(f"{source}: draft-head options not implemented here: {unsupported}")
 
-    # Shared Llama fields parsed (and validated: hidden_act, rope type, ...) as the target's are.
+
+def _layer_config(layer_cfg: dict[str, Any], source: str) -> ModelConfig:
+    """The shared Llama fields, parsed (and validated: hidden_act, rope type, ...) as the target's are."""
     try:
-        llama = ModelConfig.from_hf_dict({**layer_cfg, "model_type": "llama"})
+        return ModelConfig.from_hf_dict({**layer_cfg, "model_type": "llama"})
     except ValueError as e:
         raise CheckpointError(f"{source}: {e}") from e
 
-    target_hidden = raw.get("target_hidden_size") or llama.hidden_size
+
+def _aux_layers(
+    raw: dict[str, Any], tensors: Mapping[str, np.ndarray], target_hidden: int | float
+) -> tuple[tuple[int, ...] | None, int]:
+    """(tap layer ids or None, number of taps); without ids the fc width gives the count."""
+    eagle_cfg = raw.get("eagle_config") or {}
     aux = raw.get("eagle_aux_hidden_state_layer_ids") or eagle_cfg.get("eagle_aux_hidden_state_layer_ids")
     aux = tuple(int(i) for i in aux) if aux else None
     num_aux = len(aux) if aux else 3
     fc = tensors.get("fc.weight")
     if fc is not None and fc.ndim == 2 and aux is None and fc.shape[1] % target_hidden == 0:
         num_aux = fc.shape[1] // target_hidden  # no tap ids: trust the fc width
+    return aux, num_aux
 
+
+def _parallel_drafting(
+    raw: dict[str, Any], tensors: Mapping[str, np.ndarray], declared_peagle: bool, source: str
+) -> tuple[int | None, bool]:
+    """(mask token id, parallel drafting): P-EAGLE needs both `mask_hidden` and a mask token id."""
     mask_id = _mask_token_id(raw)
     has_mask_hidden = "mask_hidden" in tensors
     if declared_peagle:
@@ -439,8 +459,20 @@ def _parse_config(
         warnings.warn(
             f"{source}: checkpoint has 'mask_hidden' but config.json has no mask token id "
             f"({' / '.join(_MASK_ID_KEYS)}); loading it as a sequential EAGLE-3 head",
-            stacklevel=3,
+            stacklevel=4,  # the caller of load_drafter (via _parse_config)
         )
+    return mask_id, parallel
+
+
+def _parse_config(
+    raw: dict[str, Any], tensors: Mapping[str, np.ndarray], dtype: str, source: str
+) -> DrafterConfig:
+    layer_cfg, declared_peagle, default_nbr, num_depths = _head_fields(raw, source)
+    _check_supported_options(raw, source)
+    llama = _layer_config(layer_cfg, source)
+    target_hidden = raw.get("target_hidden_size") or llama.hidden_size
+    aux, num_aux = _aux_layers(raw, tensors, target_hidden)
+    mask_id, parallel = _parallel_drafting(raw, tensors, declared_peagle, source)
 
     return DrafterConfig(
         hidden_size=llama.hidden_size,
@@ -465,47 +497,45 @@ def _parse_config(
     )
 
 
-def load_drafter(path: str | Path, *, target=None, dtype: str = "float32") -> Eagle3Drafter:
-    """Load an EAGLE-3 / P-EAGLE head saved in the AWS or speculators layout.
-
-    `target` (a CausalLM) supplies `embed_tokens` and the draft-vocab rows of its lm_head when
-    the checkpoint leaves them out. Mismatched, missing or unknown tensors raise one
-    CheckpointError naming all of them.
-    """
-    model_dir = Path(path)
+def _check_config_present(model_dir: Path) -> None:
+    """FileNotFoundError when `model_dir` has no config.json, pointing at a save interrupted mid-swap."""
     if not (model_dir / CONFIG_NAME).exists():
         hint = ""
         aside = sorted(model_dir.parent.glob(f".{model_dir.name}.old-*")) if model_dir.parent.exists() else []
         if not model_dir.exists() and aside:
             hint = f" (an interrupted save left the previous checkpoint at {aside[-1]})"
         raise FileNotFoundError(f"{model_dir} has no {CONFIG_NAME}{hint}")
-    source = str(model_dir)
-    raw = json.loads((model_dir / CONFIG_NAME).read_text())
-    named = _read_tensors(model_dir)
-    cfg = _parse_config(raw, named, dtype, source)
 
-    if target is not None:
-        tcfg = target.config
-        problems = []
-        if tcfg.vocab_size != cfg.vocab_size:
-            problems.append(f"vocab_size {tcfg.vocab_size} vs drafter {cfg.vocab_size}")
-        if tcfg.hidden_size != cfg.target_hidden_size:
-            problems.append(f"hidden_size {tcfg.hidden_size} vs drafter target_hidden_size {cfg.target_hidden_size}")
-        if problems:
-            raise CheckpointError(f"{source}: target does not match the draft head: " + "; ".join(problems))
 
-    layout: Layout = "aws" if any(k.startswith("midlayer.") for k in named) else "speculators"
-    drafter = nnx.eval_shape(lambda: Eagle3Drafter(cfg, rngs=nnx.Rngs(0)))
-    # checkpoint key -> (our path, transform, expected shape in torch orientation)
+def _check_target(target, cfg: DrafterConfig, source: str) -> None:
+    tcfg = target.config
+    problems = []
+    if tcfg.vocab_size != cfg.vocab_size:
+        problems.append(f"vocab_size {tcfg.vocab_size} vs drafter {cfg.vocab_size}")
+    if tcfg.hidden_size != cfg.target_hidden_size:
+        problems.append(f"hidden_size {tcfg.hidden_size} vs drafter target_hidden_size {cfg.target_hidden_size}")
+    if problems:
+        raise CheckpointError(f"{source}: target does not match the draft head: " + "; ".join(problems))
+
+
+def _expected_tensors(drafter: Eagle3Drafter, layout: Layout) -> dict[str, tuple[str, str, tuple[int, ...]]]:
+    """checkpoint key -> (our path, transform, expected shape in torch orientation)."""
     expected: dict[str, tuple[str, str, tuple[int, ...]]] = {}
     for ours, param in param_paths(drafter).items():
         name, transform = _torch_name(ours, layout)
         shape = tuple(param.value.shape)
         expected[name] = (ours, transform, shape[::-1] if transform == "T" else shape)
+    return expected
 
-    missing: list[str] = []
+
+def _match_tensors(
+    named: Mapping[str, np.ndarray],
+    expected: Mapping[str, tuple[str, str, tuple[int, ...]]],
+    cfg: DrafterConfig,
+) -> tuple[dict[str, np.ndarray], list[str], list[str]]:
+    """(our path -> array in our orientation, unknown checkpoint keys, wrong-shape messages)."""
     unknown: list[str] = []
-    bad: list[str] = []  # wrong shapes / dtypes
+    bad: list[str] = []
     tensors: dict[str, np.ndarray] = {}
     for key, arr in named.items():
         if key in expected:
@@ -524,8 +554,12 @@ def load_drafter(path: str | Path, *, target=None, dtype: str = "float32") -> Ea
             continue  # no mask token id: loaded as a sequential head (_parse_config warned)
         elif key not in ("d2t", "t2d") and not key.endswith("rotary_emb.inv_freq"):
             unknown.append(key)
+    return tensors, unknown, bad
 
-    # d2t (absent = identity) and t2d (validated, otherwise unused, as in vLLM).
+
+def _vocab_mapping(named: Mapping[str, np.ndarray], cfg: DrafterConfig) -> tuple[np.ndarray, bool, list[str]]:
+    """(d2t, whether it is usable, problems): d2t absent = identity; t2d validated, otherwise unused (as in vLLM)."""
+    bad: list[str] = []
     d2t = named.get("d2t")
     d2t_ok = True
     if d2t is None:
@@ -541,8 +575,24 @@ def load_drafter(path: str | Path, *, target=None, dtype: str = "float32") -> Ea
     t2d = named.get("t2d")
     if t2d is not None and t2d.shape != (cfg.vocab_size,):
         bad.append(f"t2d: checkpoint {tuple(t2d.shape)} vs model ({cfg.vocab_size},)")
+    return d2t, d2t_ok, bad
 
-    shared = {"embed_tokens.weight", "lm_head.weight"}  # vLLM shares the target's when absent
+
+def _fill_absent(
+    named: Mapping[str, np.ndarray],
+    expected: Mapping[str, tuple[str, str, tuple[int, ...]]],
+    tensors: dict[str, np.ndarray],
+    target,
+    cfg: DrafterConfig,
+    d2t: np.ndarray,
+    d2t_ok: bool,
+) -> list[str]:
+    """Fill absent embed_tokens / lm_head from `target` into `tensors`; returns the still-missing keys.
+
+    vLLM shares the target's tables when a head leaves them out; the lm_head keeps the draft-vocab rows.
+    """
+    shared = {"embed_tokens.weight", "lm_head.weight"}
+    missing: list[str] = []
     for name, (ours, _, _) in expected.items():
         if name in named:
             continue
@@ -555,16 +605,34 @@ def load_drafter(path: str | Path, *, target=None, dtype: str = "float32") -> Ea
         elif d2t_ok:
             cols = np.arange(cfg.draft_vocab_size) + d2t.astype(np.int64)
             tensors[ours] = np.asarray(target.lm_head_weight())[:, cols]  # [H, V] -> [H, Vd]
+    return missing
 
-    if missing or unknown or bad:
-        lines = [f"{source} does not match the draft head ({layout} layout):"]
-        if missing:
-            lines.append(f"  missing ({len(missing)}): {', '.join(sorted(missing))}")
-        if unknown:
-            lines.append(f"  unexpected ({len(unknown)}): {', '.join(sorted(unknown))}")
-        if bad:
-            lines.append(f"  wrong shape ({len(bad)}): " + "; ".join(bad))
-        raise CheckpointError("\n".join(lines))
+
+def load_drafter(path: str | Path, *, target=None, dtype: str = "float32") -> Eagle3Drafter:
+    """Load an EAGLE-3 / P-EAGLE head saved in the AWS or speculators layout.
+
+    `target` (a CausalLM) supplies `embed_tokens` and the draft-vocab rows of its lm_head when
+    the checkpoint leaves them out. Mismatched, missing or unknown tensors raise one
+    CheckpointError naming all of them.
+    """
+    model_dir = Path(path)
+    _check_config_present(model_dir)
+    source = str(model_dir)
+    raw = json.loads((model_dir / CONFIG_NAME).read_text())
+    named = _read_tensors(model_dir)
+    cfg = _parse_config(raw, named, dtype, source)
+    if target is not None:
+        _check_target(target, cfg, source)
+
+    layout: Layout = "aws" if any(k.startswith("midlayer.") for k in named) else "speculators"
+    drafter = nnx.eval_shape(lambda: Eagle3Drafter(cfg, rngs=nnx.Rngs(0)))
+    expected = _expected_tensors(drafter, layout)
+    tensors, unknown, bad = _match_tensors(named, expected, cfg)
+    d2t, d2t_ok, vocab_bad = _vocab_mapping(named, cfg)
+    bad += vocab_bad
+    missing = _fill_absent(named, expected, tensors, target, cfg, d2t, d2t_ok)
+    raise_if_mismatched(f"{source} does not match the draft head ({layout} layout)", sorted(missing),
+                        sorted(unknown), bad)
     assign_params(drafter, tensors, source=source)
     drafter.d2t.value = jnp.asarray(d2t, dtype=jnp.int32)
     return drafter

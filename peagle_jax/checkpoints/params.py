@@ -8,18 +8,25 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from peagle_jax.pytree_paths import param_paths
+
 
 class CheckpointError(ValueError):
     """A checkpoint does not fit the model: lists every offending key at once."""
 
 
-def param_paths(module: nnx.Module) -> dict[str, nnx.Param]:
-    """Dotted path -> Param for every parameter of `module` (e.g. 'layers.0.mlp.up_proj.kernel')."""
-    out: dict[str, nnx.Param] = {}
-    for path, node in nnx.iter_graph(module):
-        if isinstance(node, nnx.Param):
-            out[".".join(str(p) for p in path)] = node
-    return out
+def raise_if_mismatched(what: str, missing: list[str], unexpected: list[str], wrong_shape: list[str]) -> None:
+    """One CheckpointError naming every missing, unexpected and wrong-shape tensor (if any)."""
+    if not (missing or unexpected or wrong_shape):
+        return
+    lines = [f"{what}:"]
+    if missing:
+        lines.append(f"  missing ({len(missing)}): {', '.join(missing)}")
+    if unexpected:
+        lines.append(f"  unexpected ({len(unexpected)}): {', '.join(unexpected)}")
+    if wrong_shape:
+        lines.append(f"  wrong shape ({len(wrong_shape)}): " + "; ".join(wrong_shape))
+    raise CheckpointError("\n".join(lines))
 
 
 def assign_params(
@@ -54,15 +61,7 @@ def assign_params(
         for k, v in tensors.items()
         if k in params and tuple(np.shape(v)) != tuple(params[k].value.shape)
     ]
-    if missing or unexpected or bad_shape:
-        lines = [f"{source} does not match the model:"]
-        if missing:
-            lines.append(f"  missing ({len(missing)}): {', '.join(missing)}")
-        if unexpected:
-            lines.append(f"  unexpected ({len(unexpected)}): {', '.join(unexpected)}")
-        if bad_shape:
-            lines.append(f"  wrong shape ({len(bad_shape)}): " + "; ".join(bad_shape))
-        raise CheckpointError("\n".join(lines))
+    raise_if_mismatched(f"{source} does not match the model", missing, unexpected, bad_shape)
     for k, v in tensors.items():
         p = params[k]
         target_dtype = dtype if dtype is not None else p.value.dtype

@@ -298,7 +298,7 @@ def _bytes_to_unicode() -> dict[int, str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
+    return dict(zip(bs, (chr(c) for c in cs), strict=True))
 
 
 def _split_merge(merge: str) -> tuple[str, str]:
@@ -341,11 +341,8 @@ def _pre_tokenizer(pre: str | None):
     return normalizer, pre_tok
 
 
-def build_gguf_tokenizer(data: GGUFTokenizerData):
-    """Build a ``PreTrainedTokenizerFast`` from :class:`GGUFTokenizerData`."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
-    from transformers import PreTrainedTokenizerFast
-
+def _check_byte_level_bpe(data: GGUFTokenizerData) -> None:
+    """Only byte-level BPE ('gpt2') GGUF vocabularies, with merges, can be rebuilt here."""
     if data.model != "gpt2":
         raise ValueError(
             f"Unsupported GGUF tokenizer model tokenizer.ggml.model={data.model!r}; only byte-level BPE "
@@ -353,17 +350,94 @@ def build_gguf_tokenizer(data: GGUFTokenizerData):
         )
     if not data.merges:
         raise ValueError("GGUF byte-level BPE tokenizer has no tokenizer.ggml.merges")
-    normalizer, pre_tok = _pre_tokenizer(data.pre)
 
-    # Vocabulary.  Every real token of a byte-level vocabulary is spelled in GPT-2's byte alphabet;
-    # a token that is not (a llama.cpp mislabel) is respelled into it, as transformers does.
+
+def _byte_level_vocab(tokens: Sequence[str]) -> dict[str, int]:
+    """token -> id, every token spelled in GPT-2's byte alphabet.
+
+    Every real token of a byte-level vocabulary is spelled in that alphabet; a token that is not
+    (a llama.cpp mislabel) is respelled into it, as transformers does.
+    """
     b2u = _bytes_to_unicode()
     alphabet = frozenset(b2u.values())
     vocab: dict[str, int] = {}
-    for idx, tok in enumerate(data.tokens):
+    for idx, tok in enumerate(tokens):
         if not alphabet.issuperset(tok):
             tok = "".join(b2u[b] for b in tok.encode("utf-8"))
         vocab[tok] = idx
+    return vocab
+
+
+def _add_typed_tokens(tk, data: GGUFTokenizerData, vocab: dict[str, int]) -> None:
+    """Control tokens -> special added tokens (kept whole, skipped by skip_special_tokens);
+    user-defined tokens -> plain added tokens (kept whole)."""
+    from tokenizers import AddedToken
+
+    types = data.token_types
+    if types is None or not len(types):
+        return
+    alphabet = frozenset(_bytes_to_unicode().values())
+    control = [
+        AddedToken(data.tokens[i], normalized=False, special=True)
+        for i in np.flatnonzero(types == _TOKEN_TYPE_CONTROL)
+        if alphabet.issuperset(data.tokens[i])
+    ]
+    if control:
+        tk.add_special_tokens(control)
+    user = [
+        AddedToken(data.tokens[i], normalized=False, special=False)
+        for i in np.flatnonzero(types == _TOKEN_TYPE_USER_DEFINED)
+        if data.tokens[i] in vocab
+    ]
+    if user:
+        tk.add_tokens(user)
+
+
+def _token_name(data: GGUFTokenizerData, token_id: int | None) -> str | None:
+    if token_id is None or not 0 <= token_id < len(data.tokens):
+        return None
+    return data.tokens[token_id]
+
+
+def _bos_eos_template(data: GGUFTokenizerData, bos: str | None, eos: str | None, add_bos: bool, add_eos: bool):
+    """The post-processor that adds BOS / EOS around single sequences and pairs, as the GGUF flags ask."""
+    from tokenizers import processors
+
+    single = " ".join(([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else []))
+    pair = single + " " + " ".join(([f"{bos}:1"] if add_bos else []) + ["$B:1"] + ([f"{eos}:1"] if add_eos else []))
+    specials = ([(bos, data.bos_token_id)] if add_bos else []) + ([(eos, data.eos_token_id)] if add_eos else [])
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+
+
+def _fast_tokenizer(tk, data: GGUFTokenizerData, bos: str | None, eos: str | None, add_bos: bool, add_eos: bool):
+    """Wrap the `tokenizers.Tokenizer` as a ``PreTrainedTokenizerFast`` with its special tokens and chat template."""
+    from transformers import PreTrainedTokenizerFast
+
+    kwargs: dict[str, Any] = dict(
+        tokenizer_object=tk,
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=_token_name(data, data.padding_token_id),
+        unk_token=_token_name(data, data.unknown_token_id),
+        add_bos_token=add_bos,
+        add_eos_token=add_eos,
+        clean_up_tokenization_spaces=False,
+    )
+    if data.chat_template is not None:
+        kwargs["chat_template"] = data.chat_template
+    tokenizer = PreTrainedTokenizerFast(**{k: v for k, v in kwargs.items() if v is not None})
+    if data.chat_template is not None:
+        tokenizer.chat_template = data.chat_template
+    return tokenizer
+
+
+def build_gguf_tokenizer(data: GGUFTokenizerData):
+    """Build a ``PreTrainedTokenizerFast`` from :class:`GGUFTokenizerData`."""
+    from tokenizers import Tokenizer, decoders, models
+
+    _check_byte_level_bpe(data)
+    normalizer, pre_tok = _pre_tokenizer(data.pre)
+    vocab = _byte_level_vocab(data.tokens)
     merges = [_split_merge(m) for m in data.merges]
 
     bpe = models.BPE(
@@ -379,55 +453,13 @@ def build_gguf_tokenizer(data: GGUFTokenizerData):
         tk.normalizer = normalizer
     tk.pre_tokenizer = pre_tok
     tk.decoder = decoders.ByteLevel()
+    _add_typed_tokens(tk, data, vocab)
 
-    # Control tokens -> special added tokens (kept whole, skipped by skip_special_tokens);
-    # user-defined tokens -> plain added tokens (kept whole).
-    types = data.token_types
-    if types is not None and len(types):
-        control = [
-            AddedToken(data.tokens[i], normalized=False, special=True)
-            for i in np.flatnonzero(types == _TOKEN_TYPE_CONTROL)
-            if alphabet.issuperset(data.tokens[i])
-        ]
-        if control:
-            tk.add_special_tokens(control)
-        user = [
-            AddedToken(data.tokens[i], normalized=False, special=False)
-            for i in np.flatnonzero(types == _TOKEN_TYPE_USER_DEFINED)
-            if data.tokens[i] in vocab
-        ]
-        if user:
-            tk.add_tokens(user)
-
-    def name(token_id: int | None) -> str | None:
-        if token_id is None or not 0 <= token_id < len(data.tokens):
-            return None
-        return data.tokens[token_id]
-
-    bos, eos = name(data.bos_token_id), name(data.eos_token_id)
+    bos, eos = _token_name(data, data.bos_token_id), _token_name(data, data.eos_token_id)
     add_bos = bool(data.add_bos_token) and bos is not None
     add_eos = bool(data.add_eos_token) and eos is not None
-    single = " ".join(([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else []))
-    pair = single + " " + " ".join(([f"{bos}:1"] if add_bos else []) + ["$B:1"] + ([f"{eos}:1"] if add_eos else []))
-    specials = ([(bos, data.bos_token_id)] if add_bos else []) + ([(eos, data.eos_token_id)] if add_eos else [])
-    tk.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
-
-    kwargs: dict[str, Any] = dict(
-        tokenizer_object=tk,
-        bos_token=bos,
-        eos_token=eos,
-        pad_token=name(data.padding_token_id),
-        unk_token=name(data.unknown_token_id),
-        add_bos_token=add_bos,
-        add_eos_token=add_eos,
-        clean_up_tokenization_spaces=False,
-    )
-    if data.chat_template is not None:
-        kwargs["chat_template"] = data.chat_template
-    tokenizer = PreTrainedTokenizerFast(**{k: v for k, v in kwargs.items() if v is not None})
-    if data.chat_template is not None:
-        tokenizer.chat_template = data.chat_template
-    return tokenizer
+    tk.post_processor = _bos_eos_template(data, bos, eos, add_bos, add_eos)
+    return _fast_tokenizer(tk, data, bos, eos, add_bos, add_eos)
 
 
 # --------------------------------------------------------------------------------------------

@@ -66,11 +66,11 @@ class ModelConfig:
             and (layer_idx + 1) % self.decoder_sparse_step == 0
         )
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any], **overrides: Any) -> "ModelConfig":
+    def from_hf_dict(cls, cfg: dict[str, Any], **overrides: Any) -> ModelConfig:
         """Build from a parsed HF ``config.json``; unsupported model types raise ValueError."""
         model_type = cfg.get("model_type")
         if model_type not in _MODEL_TYPES:
@@ -138,5 +138,5 @@ class ModelConfig:
         return cls(**fields)
 
     @classmethod
-    def from_json_file(cls, path: str | Path, **overrides: Any) -> "ModelConfig":
+    def from_json_file(cls, path: str | Path, **overrides: Any) -> ModelConfig:
         return cls.from_hf_dict(json.loads(Path(path).read_text()), **overrides)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kernels_pallas import IMPLEMENTATIONS
-from peagle_jax.models.layers import MoE, Attention, Linear
+from peagle_jax.models.layers import Attention, Linear, MoE
 
 KV_CACHE_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
 

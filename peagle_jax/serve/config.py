@@ -62,7 +62,9 @@ class ServeConfig(BaseModel):
     model: str | None = Field(None, description="a .gguf file, an HF directory, or 'default' (SmolLM2-135M-Instruct)")
     served_model_name: str | None = Field(None, description="model id clients send (default: derived from the model)")
     drafter: str | None = Field(
-        None, description=f"draft head directory; unset = {DEFAULT_DRAFTER} for the default model if present; 'none' = no drafter"
+        None,
+        description=f"draft head directory; unset = {DEFAULT_DRAFTER} for the default model if present; "
+        "'none' = no drafter",
     )
     method: Literal["auto", "none", "eagle3", "peagle"] = "auto"
     num_draft_tokens: int = Field(5, ge=1, le=32)
@@ -99,13 +101,13 @@ class ServeConfig(BaseModel):
         return None if isinstance(v, str) and not v.strip() else v
 
     @model_validator(mode="after")
-    def _check(self) -> "ServeConfig":
+    def _check(self) -> ServeConfig:
         if self.drafter is not None and self.drafter.lower() == "none" and self.method in ("eagle3", "peagle"):
             raise ValueError(f"method {self.method!r} needs a drafter (drafter is 'none')")
         return self
 
     @classmethod
-    def from_yaml(cls, path: str | Path, **overrides: Any) -> "ServeConfig":
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> ServeConfig:
         data = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of settings, got {type(data).__name__}")

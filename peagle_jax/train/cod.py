@@ -68,7 +68,8 @@ def cod_sample(
     slots = static_slots(n, k, ratio, ratio_min, max_anchors)
     m = sum(slots)
     anchor = np.zeros((m,), np.int32)
-    depth = np.concatenate([np.full((s,), d + 1, np.int32) for d, s in enumerate(slots)]) if m else np.zeros((0,), np.int32)
+    depth = (np.concatenate([np.full((s,), d + 1, np.int32) for d, s in enumerate(slots)]) if m
+             else np.zeros((0,), np.int32))
     valid = np.zeros((m,), bool)
     chain_idx = np.full((m, max(k - 1, 0)), -1, np.int32)
     lm = np.asarray(loss_mask, bool) & (np.asarray(doc) >= 0)

@@ -6,8 +6,9 @@ are parsed as YAML scalars (`true`, `null`, `1e-3`, `[1, 2]`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -35,7 +36,7 @@ class DataSection(_Frozen):
     max_doc_tokens: int = 2048  # documents are cut into chunks of at most this many tokens
     val_percent: float = 2.0  # whole files / prompts held out (by path hash)
     shuffle_seed: int = 0
-    # Features: "disk" reads precomputed shards (train.features), "online" runs the target in the step.
+    # Features: "disk" reads precomputed shards (peagle_jax.train.features), "online" runs the target in the step.
     features: Literal["disk", "online"] = "disk"
     features_dir: str | None = None  # default: <run_dir>/../features
     feature_dtype: Literal["float16", "bfloat16", "float32"] = "float16"

@@ -20,9 +20,9 @@ import json
 import os
 import sysconfig
 import zlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -215,7 +215,8 @@ def generate_selfdistill(target, tokenizer, prompts: list[tuple[str, str]], out_
         res = speculative_generate(target, None, ids, method="none", max_new_tokens=max_new_tokens,
                                    eos_token_ids=list(eos_ids))
         with open(out_path, "a") as fh:
-            for (name, _), p, r in zip(chunk, ids, res.tokens):
+            # ids / res.tokens are padded to `batch`: zip stops at the real prompts of the chunk.
+            for (name, _), p, r in zip(chunk, ids, res.tokens, strict=False):
                 fh.write(json.dumps({"name": name, "prompt": p, "response": r}) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
@@ -246,7 +247,7 @@ def random_docs(target, *, num: int, prompt_len: int, new_tokens: int, seed: int
     for s in range(0, num, batch):
         prompts = [rng.integers(1, v - 1, prompt_len).tolist() for _ in range(min(batch, num - s))]
         res = speculative_generate(target, None, prompts, method="none", max_new_tokens=new_tokens)
-        for i, (p, r) in enumerate(zip(prompts, res.tokens)):
+        for i, (p, r) in enumerate(zip(prompts, res.tokens, strict=True)):
             toks = np.asarray(p + r, np.int32)
             mask = np.concatenate([np.zeros(len(p), np.uint8), np.ones(len(r), np.uint8)])
             docs.append(Doc(toks, mask, f"rand{s + i}"))

@@ -1,6 +1,6 @@
 """Greedy acceptance of a trained head on held-out prompts.
 
-    python -m train.evaluate --run_dir /work/runs/peagle_smollm2 [--head EXPORTED_DIR] \
+    python -m peagle_jax.train.evaluate --run_dir /work/runs/peagle_smollm2 [--head EXPORTED_DIR] \
         [--num_draft_tokens 5] [--prompts 16] [--max_new_tokens 128] [--batch 8]
 
 Prompts are the validation split of the self-distillation prompts (stdlib functions held out
@@ -17,7 +17,7 @@ import numpy as np
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m train.evaluate")
+    p = argparse.ArgumentParser(prog="python -m peagle_jax.train.evaluate")
     p.add_argument("--run_dir", required=True)
     p.add_argument("--head", default=None, help="an exported head directory (default: the run's latest checkpoint)")
     p.add_argument("--num_draft_tokens", type=int, default=None)
@@ -26,16 +26,16 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=8)
     a = p.parse_args(argv)
 
-    from peagle_jax.checkpoints.drafter_io import load_drafter
-    from peagle_jax.generate import speculative_generate
-    from train.data import encode_text, stdlib_function_prompts
-    from train.export import load_trained
-    from train.features import load_target_and_tokenizer
-
-    import yaml
     from pathlib import Path
 
-    from train.config import TrainConfig
+    import yaml
+
+    from peagle_jax.checkpoints.drafter_io import load_drafter
+    from peagle_jax.generate import speculative_generate
+    from peagle_jax.train.config import TrainConfig
+    from peagle_jax.train.data import encode_text, stdlib_function_prompts
+    from peagle_jax.train.export import load_trained
+    from peagle_jax.train.features import load_target_and_tokenizer
 
     cfg = TrainConfig.model_validate(yaml.safe_load((Path(a.run_dir) / "config.yaml").read_text()))
     target, tok, eos, _ = load_target_and_tokenizer(cfg)

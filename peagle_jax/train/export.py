@@ -1,6 +1,6 @@
 """Export a trained run to drafter checkpoints (AWS and/or speculators layout).
 
-    python -m train.export --run_dir /work/runs/peagle_smollm2 --out /work/runs/peagle_smollm2/export \
+    python -m peagle_jax.train.export --run_dir /work/runs/peagle_smollm2 --out /work/runs/peagle_smollm2/export \
         [--layout both|aws|speculators] [--dtype bfloat16|float32] [--step N]
 
 Size policy (SmolLM2-135M: H=576, V=49152):
@@ -27,9 +27,9 @@ import orbax.checkpoint as ocp
 import yaml
 
 from peagle_jax.checkpoints.drafter_io import save_drafter
-from train.config import TrainConfig
-from train.features import load_target_and_tokenizer
-from train.train import build_drafter, export_drafter, make_optimizer, split_params
+from peagle_jax.train.config import TrainConfig
+from peagle_jax.train.features import load_target_and_tokenizer
+from peagle_jax.train.train import build_drafter, export_drafter, make_optimizer, split_params
 
 
 def load_trained(run_dir: str | Path, step: int | None = None, target=None):
@@ -70,7 +70,7 @@ def export(run_dir, out, *, layout="both", dtype="bfloat16", step=None) -> list[
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m train.export")
+    p = argparse.ArgumentParser(prog="python -m peagle_jax.train.export")
     p.add_argument("--run_dir", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--layout", default="both", choices=["both", "aws", "speculators"])

@@ -1,6 +1,6 @@
 """Target features: the three EAGLE-3 taps and the final hidden state, per document.
 
-`python -m train.features --config configs/train/peagle_smollm2.yaml [key=value ...]` builds
+`python -m peagle_jax.train.features --config configs/train/peagle_smollm2.yaml [key=value ...]` builds
 the training and validation documents of the config's data source and writes their features
 to `<features_dir>/{train,val}/shard_XXXXX/` (npy, fp16 or bf16 stored as uint16). Shards are
 written to a temporary directory and renamed when complete, so an interrupted run resumes at
@@ -17,8 +17,8 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +26,17 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from train.config import TrainConfig, config_from_argv
-from train.data import (Doc, chat_docs, chunk_doc, code_docs, generate_selfdistill, random_docs,
-                        read_selfdistill, stdlib_function_prompts)
+from peagle_jax.train.config import TrainConfig, config_from_argv
+from peagle_jax.train.data import (
+    Doc,
+    chat_docs,
+    chunk_doc,
+    code_docs,
+    generate_selfdistill,
+    random_docs,
+    read_selfdistill,
+    stdlib_function_prompts,
+)
 
 _DTYPES = {"float16": np.float16, "float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
@@ -208,7 +216,7 @@ def open_train_store(cfg: TrainConfig, own: Path) -> FeatureStore | ConcatStore:
         root = Path(p)
         if complete_meta(root) is None:
             raise FileNotFoundError(f"data.extra_train_features: {root} holds no complete feature shards "
-                                    "(run python -m train.features with that features_dir first)")
+                                    "(run python -m peagle_jax.train.features with that features_dir first)")
         extra.append(FeatureStore(root))
     own_store = FeatureStore(own)
     return ConcatStore([own_store] + extra) if extra else own_store

@@ -1,7 +1,7 @@
 """Write `manifest.json` beside an exported head: how it was made and how good it is.
 
-    python -m train.manifest --run_dir /work/runs/peagle_smollm2 --head assets/heads/smollm2-135m-peagle \
-        --command "python -m train.train --config configs/train/peagle_smollm2.yaml ..." [--val_batches 8]
+    python -m peagle_jax.train.manifest --run_dir /work/runs/peagle_smollm2 --head assets/heads/smollm2-135m-peagle \
+        --command "python -m peagle_jax.train.train --config configs/train/peagle_smollm2.yaml ..." [--val_batches 8]
 
 Records the exact command and resolved config, data sources and token counts, steps, wall
 time (sum of step times), final training loss, per-depth held-out accuracy (the training
@@ -29,7 +29,7 @@ def sha256_file(path: Path) -> str:
 
 
 def training_summary(run_dir: Path) -> dict:
-    recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     if not recs:
         raise ValueError(f"{run_dir}/metrics.jsonl has no records: nothing was trained")
     last = recs[-10:]
@@ -45,7 +45,7 @@ def training_summary(run_dir: Path) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m train.manifest", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m peagle_jax.train.manifest", description=__doc__.splitlines()[0])
     ap.add_argument("--run_dir", required=True)
     ap.add_argument("--head", required=True, help="the exported head directory (manifest.json goes there)")
     ap.add_argument("--command", required=True, help="the exact training command line")
@@ -53,8 +53,8 @@ def main(argv=None) -> None:
     ap.add_argument("--extra", default=None, help="JSON file merged into the manifest (e.g. acceptance results)")
     a = ap.parse_args(argv)
 
-    from train.config import TrainConfig
-    from train.train import Trainer
+    from peagle_jax.train.config import TrainConfig
+    from peagle_jax.train.train import Trainer
 
     run_dir, head = Path(a.run_dir), Path(a.head)
     cfg = TrainConfig.model_validate(yaml.safe_load((run_dir / "config.yaml").read_text()))

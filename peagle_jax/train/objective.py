@@ -28,8 +28,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from peagle_jax.models.layers import apply_rope, rope_inv_freq
-
 NEG = -1e30
 
 
@@ -46,17 +44,6 @@ class Rows(NamedTuple):
     chain_depth: jax.Array | None = None  # [B, M]
     chain_valid: jax.Array | None = None  # [B, M]
     chain_idx: jax.Array | None = None  # [B, M, K-1]
-
-
-def _qkv(attn, x, positions):
-    b, t, _ = x.shape
-    q = attn.q_proj(x).reshape(b, t, attn.num_heads, attn.head_dim)
-    k = attn.k_proj(x).reshape(b, t, attn.num_kv_heads, attn.head_dim)
-    v = attn.v_proj(x).reshape(b, t, attn.num_kv_heads, attn.head_dim)
-    if attn.q_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    inv = rope_inv_freq(attn.head_dim, attn.rope_theta, attn.rope_scaling)
-    return apply_rope(q, positions, inv), apply_rope(k, positions, inv), v
 
 
 def _group(q, num_kv):
@@ -90,21 +77,6 @@ def attend(q, k0, v0, ctx_limit, doc, extra_k=None, extra_v=None, extra_mask=Non
     return out.reshape(b, r, -1).astype(q.dtype)
 
 
-def _layer_in(layer, x, embeds):
-    if layer.first:
-        hn = layer.hidden_norm(x)
-        attn_in = jnp.concatenate([layer.input_layernorm(embeds), hn], axis=-1)
-        residual = hn if layer.norm_before_residual else x
-    else:
-        attn_in, residual = layer.input_layernorm(x), x
-    return attn_in, residual
-
-
-def _layer_out(layer, residual, a):
-    x = residual + layer.self_attn.o_proj(a)
-    return x + layer.mlp(layer.post_attention_layernorm(x))
-
-
 def peagle_forward(drafter, rows: Rows, mask_embed, mask_feature):
     """Pre-norm outputs for depth-0 rows [B,n,H] and chain slots [B,M,H]."""
     b, n = rows.tokens.shape
@@ -120,15 +92,15 @@ def peagle_forward(drafter, rows: Rows, mask_embed, mask_feature):
     cidx = jnp.maximum(rows.chain_idx, 0)
     cmask = rows.chain_idx >= 0
     for layer in drafter.layers:
-        in0, res0 = _layer_in(layer, x0, e0)
-        inc, resc = _layer_in(layer, xc, ec)
-        q0, k0, v0 = _qkv(layer.self_attn, in0, pos0)
-        qc, kc, vc = _qkv(layer.self_attn, inc, posc)
+        in0, res0 = layer.attention_input(x0, e0)
+        inc, resc = layer.attention_input(xc, ec)
+        q0, k0, v0 = layer.self_attn.project_qkv(in0, pos0)
+        qc, kc, vc = layer.self_attn.project_qkv(inc, posc)
         a0 = attend(q0, k0, v0, self0, rows.doc)
         gk = jax.vmap(lambda kk, ii: kk[ii])(kc, cidx)  # [B,M,K-1,Nkv,D]
         gv = jax.vmap(lambda vv, ii: vv[ii])(vc, cidx)
         ac = attend(qc, k0, v0, rows.chain_anchor, rows.doc, gk, gv, cmask)
-        x0, xc = _layer_out(layer, res0, a0), _layer_out(layer, resc, ac)
+        x0, xc = layer.finish(res0, layer.self_attn.o_proj(a0)), layer.finish(resc, layer.self_attn.o_proj(ac))
     return x0, xc
 
 
@@ -147,8 +119,8 @@ def eagle3_forward(drafter, rows: Rows, steps: int):
         pos = rows.positions + s
         h = x
         for li, layer in enumerate(drafter.layers):
-            attn_in, res = _layer_in(layer, h, e)
-            q, k, v = _qkv(layer.self_attn, attn_in, pos)
+            attn_in, res = layer.attention_input(h, e)
+            q, k, v = layer.self_attn.project_qkv(attn_in, pos)
             if s == 0:
                 kv0.append((k, v))
                 a = attend(q, k, v, self0, rows.doc)
@@ -158,7 +130,7 @@ def eagle3_forward(drafter, rows: Rows, steps: int):
                 ev = jnp.stack([kv[1] for kv in extra[li]], axis=2)
                 em = jnp.ones(ek.shape[:3], bool)
                 a = attend(q, kv0[li][0], kv0[li][1], self0, rows.doc, ek, ev, em)
-            h = _layer_out(layer, res, a)
+            h = layer.finish(res, layer.self_attn.o_proj(a))
         outs.append(h)
         x = h  # pre-norm output fed back as the next step's feature
     return outs

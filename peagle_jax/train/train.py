@@ -1,4 +1,4 @@
-"""Training loop: `python -m train.train --config configs/train/peagle_smollm2.yaml [key=value ...]`.
+"""Training loop: `python -m peagle_jax.train.train --config configs/train/peagle_smollm2.yaml [key=value ...]`.
 
 * AdamW with linear warmup + cosine decay, global-norm clipping (optax).
 * Trainable: fc, drafter layers, final norm, mask_hidden, and the embedding according to
@@ -10,7 +10,7 @@
   JAX_NUM_PROCESSES and JAX_PROCESS_ID (or PEAGLE_DISTRIBUTED=1 on SLURM / TPU pods; see
   peagle_jax.sharding.maybe_initialize_distributed) and
   start the same command on every host; each process builds only its own rows. With disk
-  features, run `python -m train.features` once first (on a shared filesystem) so the hosts
+  features, run `python -m peagle_jax.train.features` once first (on a shared filesystem) so the hosts
   do not extract concurrently.
 * Orbax checkpoints every `checkpoint_every` steps (trainable params, optimizer state, step,
   config). Orbax writes a step into a temporary directory and renames it when complete, so a
@@ -22,7 +22,7 @@
 Launch example (2 hosts, 8 GPUs each):
     # host 0
     JAX_COORDINATOR_ADDRESS=10.0.0.1:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0 \
-        python -m train.train --config configs/train/peagle_smollm2.yaml batch_size=64
+        python -m peagle_jax.train.train --config configs/train/peagle_smollm2.yaml batch_size=64
     # host 1: the same with JAX_PROCESS_ID=1
 """
 
@@ -41,16 +41,23 @@ import orbax.checkpoint as ocp
 import yaml
 from flax import nnx
 from flax.traverse_util import flatten_dict, unflatten_dict
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from peagle_jax.drafters import DrafterConfig, create_drafter
 from peagle_jax.sharding import maybe_initialize_distributed
-from train.cod import cod_sample
-from train.config import TrainConfig, config_from_argv
-from train.data import PackPlan, pack_row
-from train.features import FeatureStore, ensure_features, open_train_store, load_documents, load_target_and_tokenizer
-from train.objective import Rows, eagle3_loss, peagle_loss
-from train.vocab import draft_ids_from_counts, token_counts, vocab_maps
+from peagle_jax.train.cod import cod_sample
+from peagle_jax.train.config import TrainConfig, config_from_argv
+from peagle_jax.train.data import PackPlan, pack_row
+from peagle_jax.train.features import (
+    FeatureStore,
+    ensure_features,
+    load_documents,
+    load_target_and_tokenizer,
+    open_train_store,
+)
+from peagle_jax.train.objective import Rows, eagle3_loss, peagle_loss
+from peagle_jax.train.vocab import draft_ids_from_counts, token_counts, vocab_maps
 
 
 def make_mesh(n: int) -> Mesh:
@@ -65,7 +72,7 @@ def _key(path) -> str:
     return "/".join(str(p) for p in path)
 
 
-def _unflat(flat: dict[str, jax.Array]) -> dict:
+def _unflat(flat: dict[str, jax.Array | np.ndarray]) -> dict:
     return unflatten_dict({tuple(int(p) if p.isdigit() else p for p in k.split("/")): v for k, v in flat.items()})
 
 
@@ -235,8 +242,9 @@ class Trainer:
         self.log(f"resumed from step {self.step} ({self.run_dir / 'checkpoints'})")
         mpath = self.run_dir / "metrics.jsonl"
         if mpath.exists() and jax.process_index() == 0:  # drop records past the checkpoint
-            keep = [l for l in mpath.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= self.step]
-            mpath.write_text("".join(l + "\n" for l in keep))
+            keep = [line for line in mpath.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= self.step]
+            mpath.write_text("".join(line + "\n" for line in keep))
 
     def save(self):
         meta = {"step": self.step, "draft_vocab_size": int(self.draft_ids.shape[0]),
@@ -272,7 +280,8 @@ class Trainer:
             else:
                 st = self.stores[split]
                 t, lm, pos, doc, aux, fh = pack_row(n, [st.get(i) for i in ids], self.aux_dim, self.hid_dim)
-            for k, v in (("tokens", t), ("aux", aux), ("target_hidden", fh), ("positions", pos), ("doc", doc), ("loss_mask", lm)):
+            for k, v in (("tokens", t), ("aux", aux), ("target_hidden", fh), ("positions", pos), ("doc", doc),
+                         ("loss_mask", lm)):
                 cols[k].append(v)
             if cfg.objective.method == "peagle":
                 o = cfg.objective
@@ -346,7 +355,8 @@ class Trainer:
         rec["count"] = [int(c) for c, _, _ in per]
         tok = float(np.sum(host["doc"] >= 0)) * jax.process_count()
         rec["tokens"] = tok
-        rec["positions"] = tok + (float(host["chain_valid"].sum()) * jax.process_count() if "chain_valid" in host else 0.0)
+        chain = float(host["chain_valid"].sum()) * jax.process_count() if "chain_valid" in host else 0.0
+        rec["positions"] = tok + chain
         return rec
 
     def evaluate(self, batches: int) -> dict:

@@ -7,7 +7,7 @@ t2d[id] = True. With V_d = V (or None) the map is the identity (d2t = 0).
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
