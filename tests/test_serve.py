@@ -264,7 +264,9 @@ def test_disconnect_mid_stream_frees_the_slot(server, client):
     ({"model": MODEL, "prompt": ""}, "prompt"),
     ({"model": MODEL, "prompt": "word " * (MAX_LEN + 10)}, "prompt"),
     ({"model": MODEL, "prompt": "hello", "max_tokens": MAX_LEN}, "max_tokens"),
-    ({"model": "gpt-4", "prompt": "x"}, "model"),
+    ({"model": MODEL, "prompt": "x", "top_k": 2147483648}, "top_k"),  # past int32: used to fail the batch
+    ({"model": MODEL, "prompt": "x", "temperature": 1e39}, "temperature"),
+    (b'{"model": "tiny-peagle", "prompt": "abc \\ud800 def"}', "prompt"),  # lone surrogate: used to be a 500
     ({"model": MODEL, "prompt": "x", "stop": [""]}, "stop"),
     ({"model": MODEL, "prompt": "x", "stream": "yes"}, "stream"),
     ({"model": MODEL, "prompt": [1, 99999999]}, "prompt"),
@@ -278,6 +280,22 @@ def test_bad_completion_requests_get_400(server, body, param):
     assert err["type"] == "invalid_request_error" and err["message"]
     assert err["param"] == param
     assert set(err) == {"message", "type", "param", "code"}
+
+
+def test_unknown_model_is_404_as_in_openai(server):
+    r = httpx.post(server + "/v1/completions", json={"model": "gpt-4", "prompt": "x"}, headers=_auth(), timeout=30)
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert err["param"] == "model" and err["code"] == "model_not_found"
+
+
+def test_head_health_and_usage_counts_the_prompt_once(server):
+    assert httpx.head(server + "/health", timeout=30).status_code == 200
+    body = {"model": MODEL, "prompt": "hello there", "max_tokens": 2, "temperature": 0}
+    one = httpx.post(server + "/v1/completions", json=body, headers=_auth(), timeout=60).json()["usage"]
+    three = httpx.post(server + "/v1/completions", json={**body, "n": 3}, headers=_auth(), timeout=60).json()["usage"]
+    assert three["prompt_tokens"] == one["prompt_tokens"]  # OpenAI / vLLM: not multiplied by n
+    assert three["completion_tokens"] == 3 * one["completion_tokens"]
 
 
 @pytest.mark.parametrize("body,param", [

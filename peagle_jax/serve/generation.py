@@ -30,7 +30,7 @@ class Generation:
     engine: Engine
     requests: list[GenRequest]
     events: asyncio.Queue[tuple[int, Event]]
-    prompt_tokens: int  # billed per choice: n choices of a prompt read it n times
+    prompt_tokens: int  # each prompt counted once, whatever n is (as OpenAI and vLLM report usage)
 
     def cancel(self) -> None:
         """Free the engine slots; requests that already finished are left alone."""
@@ -55,7 +55,7 @@ def start_generation(engine: Engine, prompts: list[list[int]], budgets: list[int
     for ids, budget in zip(prompts, budgets, strict=True):
         for choice in range(n):
             requests.append(settings.for_choice(choice).gen_request(ids, budget, sink_for(len(requests))))
-    generation = Generation(engine, requests, events, sum(len(p) for p in prompts) * n)
+    generation = Generation(engine, requests, events, sum(len(p) for p in prompts))
     try:
         for r in requests:
             engine.submit(r)

@@ -39,7 +39,7 @@ Context = Annotated[ServerContext, Depends(get_context)]
 _REQUIRE_KEY = [Depends(require_api_key)]
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])
 async def health(ctx: Context) -> Health:
     return Health(model=ctx.model_name, method=ctx.method, **ctx.engine.stats())
 
@@ -107,14 +107,25 @@ async def _completion_prompts(req: CompletionRequest, ctx: ServerContext) -> lis
     """Token ids per prompt: `prompt` is one text, a batch of texts, or one pre-tokenized prompt.
     Tokenizing runs in the thread pool: long prompts must not stall the event loop."""
     if isinstance(req.prompt, str):
-        prompts = [await run_in_threadpool(ctx.encode_text, req.prompt)]
+        prompts = [await run_in_threadpool(ctx.encode_text, _utf8_text(req.prompt))]
     elif req.prompt and isinstance(req.prompt[0], str):
-        prompts = [await run_in_threadpool(ctx.encode_text, p) for p in req.prompt]
+        prompts = [await run_in_threadpool(ctx.encode_text, _utf8_text(p)) for p in req.prompt]
     else:
         prompts = [list(req.prompt)]
     if not prompts:
         raise APIError(400, "prompt is empty", param="prompt", code="invalid_value")
     return prompts
+
+
+def _utf8_text(text: str) -> str:
+    """The text, or a 400 if it is not valid Unicode (JSON can carry lone surrogates like \\ud800,
+    which no tokenizer can encode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"prompt is not valid Unicode text: {e.reason} at position {e.start}", param="prompt",
+                       code="invalid_value") from e
+    return text
 
 
 async def _chat_prompt(req: ChatCompletionRequest, ctx: ServerContext) -> list[int]:

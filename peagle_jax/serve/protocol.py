@@ -9,6 +9,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 Number = StrictFloat | StrictInt
 
 
+MAX_TEMPERATURE = 100.0
+INT32_MAX = 2**31 - 1
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
@@ -22,9 +26,11 @@ class SamplingRequest(BaseModel):
 
     model: StrictStr | None = None
     max_tokens: StrictInt | None = Field(None, gt=0)
-    temperature: Annotated[Number, Field(ge=0)] | None = None
+    # Bounded, so every value is finite in the engine's float32 arrays (OpenAI allows 0..2).
+    temperature: Annotated[Number, Field(ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)] | None = None
     top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
+    # The engine holds top_k in int32; anything >= the vocabulary means "off" there anyway.
+    top_k: Annotated[StrictInt, Field(ge=-1, le=INT32_MAX)] | None = None
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
