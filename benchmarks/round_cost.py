@@ -72,9 +72,15 @@ def _models(args):
 
 @functools.cache
 def _jitted(target_def, drafter_def, method: str, k: int, capacity: int, greedy: bool):
-    from peagle_jax.drafters.drafting import DraftSettings
     from peagle_jax.generate.speculative import merge_models
-    from peagle_jax.generate.steps import SpecConfig, pending_rows, prefill, spec_round, step_jit
+    from peagle_jax.generate.steps import (
+        SpecConfig,
+        draft_settings,
+        pending_rows,
+        prefill,
+        spec_round,
+        step_jit,
+    )
 
     config = SpecConfig(method, k, greedy, capacity, 64)
 
@@ -88,8 +94,7 @@ def _jitted(target_def, drafter_def, method: str, k: int, capacity: int, greedy:
 
     def draft_only(ts, ds, state):
         target, drafter = merge_models(target_def, ts, drafter_def, ds)
-        settings = DraftSettings(k, method == "peagle", state.key, state.sampling, greedy,
-                                 target.config.vocab_size, state.out_len)
+        settings = draft_settings(config, state, state.key, target.config.vocab_size)
         drafts, q, _ = drafter.propose(state.drafter_cache, pending_rows(state), settings)
         return drafts, q
 

@@ -103,6 +103,17 @@ class LoadedModel:
                             kv_cache_dtype=self.options.get("kv_cache_dtype"))
         return shard_module(head, self.mesh)
 
+    def place_on(self, mesh) -> LoadedModel:
+        """Shard the target and the head (if any) over `mesh` (None: leave them on one device);
+        heads loaded later with `load_head` follow the same mesh."""
+        from peagle_jax.sharding import shard_module
+
+        self.mesh = mesh
+        for module in (self.target, self.drafter):
+            if module is not None:
+                shard_module(module, mesh)
+        return self
+
     def encode(self, text: str) -> list[int]:
         return [int(i) for i in self.tokenizer.encode(text)]
 
@@ -151,7 +162,7 @@ def load(
     from peagle_jax.checkpoints.default_model import DEFAULT_MODEL_NAME, resolve_model_path
     from peagle_jax.checkpoints.tokenizer import eos_token_ids, load_tokenizer
     from peagle_jax.models.options import configure_inference, quantize_weights_fp8
-    from peagle_jax.sharding import make_mesh, maybe_initialize_distributed, shard_module
+    from peagle_jax.sharding import make_mesh, maybe_initialize_distributed
 
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
@@ -168,15 +179,15 @@ def load(
     if fp8_weights:
         quantize_weights_fp8(target)
     configure_inference(target, attention=attention, kv_cache_dtype=kv_cache_dtype)
-    shard_module(target, device_mesh)
     name = served_model_name or (DEFAULT_MODEL_NAME if is_default_model(model)
                                  else model_path.stem if model_path.is_file() else model_path.name)
     llm = LoadedModel(target=target, tokenizer=tokenizer, eos_ids=eos_token_ids(tokenizer, model_path),
                       drafter=None, method="none", model_path=model_path, model_name=name, drafter_path=head_spec,
-                      mesh=device_mesh, options=dict(dtype=dtype, attention=attention, kv_cache_dtype=kv_cache_dtype))
+                      options=dict(dtype=dtype, attention=attention, kv_cache_dtype=kv_cache_dtype))
+    llm.place_on(device_mesh)
     if head_spec is not None:
         llm.drafter = llm.load_head(head_spec)
-        if method == "peagle" and not llm.drafter.config.parallel_drafting:
+        if method == "peagle" and not llm.drafter.can_draft_parallel:
             raise ValueError(f"method 'peagle' needs a parallel-drafting head; {head_spec} drafts sequentially")
     llm.method = method if method != "auto" else method_for(llm.drafter)
     log.info("loaded %s%s in %.1fs (method %s)", model_path.name, f" + {head_spec}" if head_spec else "",

@@ -122,6 +122,12 @@ def pending_rows(state: SpecState) -> Pending:
     return Pending(state.pending_tokens, state.pending_feats, state.num_pending, n - state.num_pending)
 
 
+def draft_settings(config: SpecConfig, state: SpecState, key: jax.Array, vocab: int) -> DraftSettings:
+    """What the drafter needs from the config and the state to propose this round's drafts."""
+    return DraftSettings(config.num_draft_tokens, config.method == "peagle", key, state.sampling, config.greedy,
+                         vocab, state.out_len)
+
+
 # --------------------------------------------------------------------------- target steps
 
 
@@ -195,8 +201,7 @@ def spec_round(target: CausalLM, drafter: Proposer | None, state: SpecState, con
         dcache, pend_tok, pend_feat = state.drafter_cache, state.pending_tokens, state.pending_feats
     else:
         sp = state.sampling
-        settings = DraftSettings(k, config.method == "peagle", k_draft, sp, config.greedy,
-                                 target.config.vocab_size, state.out_len)
+        settings = draft_settings(config, state, k_draft, target.config.vocab_size)
         drafts, q, dcache = drafter.propose(state.drafter_cache, pending_rows(state), settings)
         out = verify_forward(target, state.target_cache, state.last_token, drafts, return_aux=True)
         if config.greedy:

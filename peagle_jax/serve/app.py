@@ -20,7 +20,6 @@ from peagle_jax.serve.context import ServerContext
 from peagle_jax.serve.engine import Engine
 from peagle_jax.serve.errors import APIError, register_exception_handlers
 from peagle_jax.serve.handlers import ROUTE_PATHS, router
-from peagle_jax.serve.metrics import Metrics
 from peagle_jax.serve.middleware import RequestCounter
 
 log = logging.getLogger("peagle_jax.serve")
@@ -58,13 +57,10 @@ def _wrap_injected(config: ServeConfig, target: Any, drafter: Any, tokenizer: An
         target, tokenizer, drafter=drafter, method=m,
         eos_ids=list(eos_ids) if eos_ids is not None else [tokenizer.eos_token_id],
         name=served_model_name or config.served_model_name or "peagle-test")
-    if config.mesh.size > 1:  # loaded models are placed by `load`; injected ones here
-        from peagle_jax.sharding import make_mesh, shard_module
+    if config.mesh.size > 1:  # loaded models are placed by `load`; injected ones here, the same way
+        from peagle_jax.sharding import make_mesh
 
-        device_mesh = make_mesh({"data": config.mesh.data, "model": config.mesh.model})
-        for module in (loaded.target, loaded.drafter):
-            if module is not None:
-                shard_module(module, device_mesh)
+        loaded.place_on(make_mesh({"data": config.mesh.data, "model": config.mesh.model}))
         log.info("sharded target and drafter over mesh %s", config.mesh)
     return loaded
 
@@ -76,20 +72,19 @@ def _max_model_len(config: ServeConfig, loaded: LoadedModel) -> int:
 
 def _build_context(config: ServeConfig, loaded: LoadedModel) -> ServerContext:
     max_len = _max_model_len(config, loaded)
-    k = config.num_draft_tokens if loaded.method != "none" else 0
-    metrics = Metrics(k, config.max_batch_size)
     engine = Engine(
         loaded.target, loaded.drafter, loaded.tokenizer, loaded.eos_ids, method=loaded.method,
         num_draft_tokens=config.num_draft_tokens, max_batch_size=config.max_batch_size, max_model_len=max_len,
         max_queue_size=config.max_queue_size, max_prefill_batch=config.max_prefill_batch,
-        min_prompt_bucket=config.min_prompt_bucket, seed=config.seed, metrics=metrics,
+        min_prompt_bucket=config.min_prompt_bucket, seed=config.seed,
     )
     name = loaded.model_name
     aliases = frozenset({name, "default"} if name == _DEFAULT_MODEL_NAME else {name})
-    log.info("serving %s: method=%s K=%d batch=%d max_model_len=%d", name, loaded.method, k,
-             config.max_batch_size, max_len)
-    return ServerContext(engine=engine, config=config, metrics=metrics, tokenizer=loaded.tokenizer, model_name=name,
-                         model_aliases=aliases, method=loaded.method, max_model_len=max_len, created=int(time.time()))
+    log.info("serving %s: method=%s K=%d batch=%d max_model_len=%d", name, loaded.method,
+             engine.num_draft_tokens, config.max_batch_size, max_len)
+    return ServerContext(engine=engine, config=config, metrics=engine.metrics, tokenizer=loaded.tokenizer,
+                         model_name=name, model_aliases=aliases, method=loaded.method, max_model_len=max_len,
+                         created=int(time.time()))
 
 
 @asynccontextmanager
