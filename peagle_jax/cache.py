@@ -92,6 +92,26 @@ def write_rows(
     return cache.at[b, positions].set(rows.astype(cache.dtype), mode="drop")
 
 
+class TokenHistory(NamedTuple):
+    """The tokens of each sequence so far, for drafters that read the context itself (n-gram).
+
+    Row p holds the token at absolute position p + 1, the same row layout as a drafter KV
+    cache (drafter row p pairs the feature of position p with token p + 1), so the step API
+    writes it exactly where it writes a head's pending rows.
+    """
+
+    tokens: Int[Array, "B S"]
+
+    @property
+    def capacity(self) -> int:
+        return self.tokens.shape[1]
+
+    def write(self, rows: Int[Array, "B T"], positions: Int[Array, "B T"]) -> TokenHistory:
+        """Write T tokens per sequence at their row positions; positions >= S are dropped."""
+        b = jnp.arange(self.tokens.shape[0])[:, None]
+        return TokenHistory(self.tokens.at[b, positions].set(rows.astype(jnp.int32), mode="drop"))
+
+
 def shard_cache(cache: KVCache, mesh) -> KVCache:
     """Constrain K/V to (batch over data, KV heads over model); a no-op without a mesh."""
     if mesh is None:

@@ -390,3 +390,22 @@ def test_sigterm_drains_in_flight_requests():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_ngram_server_equals_plain_decoding(models):
+    # Prompt lookup through the server's slot engine: greedy completions exactly plain decoding's.
+    from peagle_jax.drafters.ngram import NgramProposer
+
+    target, _, tok, eos = models
+    config = ServeConfig(max_batch_size=2, max_model_len=MAX_LEN, num_draft_tokens=K, warmup=False,
+                         served_model_name=MODEL)
+    app = create_app(config, target=target, drafter=NgramProposer(1, 3), tokenizer=tok, eos_ids=eos)
+    prompts = ["the the the the the", "a b c a b c a b"]
+    ref = speculative_generate(target, None, [tok.encode(p) for p in prompts], method="none", max_new_tokens=24,
+                               eos_token_ids=eos)
+    with serve_in_thread(app) as url:
+        assert httpx.get(url + "/health").json()["method"] == "ngram"
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        for p, want in zip(prompts, ref.tokens, strict=True):
+            got = c.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0).choices[0].text
+            assert got == tok.decode(want, skip_special_tokens=True)

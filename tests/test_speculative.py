@@ -9,6 +9,8 @@ import scipy.stats
 from flax import nnx
 
 from peagle_jax.drafters import DrafterConfig, create_drafter
+from peagle_jax.drafters.drafting import Proposal
+from peagle_jax.drafters.ngram import NgramProposer
 from peagle_jax.drafters.reference import ReferenceDrafter
 from peagle_jax.generate import speculative_generate
 from peagle_jax.generate.speculative import _generate_jit
@@ -152,12 +154,17 @@ def _exact_joint(target, prompt, temperature, top_p):
     return np.stack([p1[a] * probs_after(prompt + [a]) for a in range(SMALL_V)])
 
 
-@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+@pytest.mark.parametrize("method", ["peagle", "eagle3", "ngram"])
 def test_sampling_matches_target_distribution(small_target, method):
     prompt, n = [1, 2, 3], 20000
-    cfg = DrafterConfig.for_target(small_target.config, num_layers=1, parallel_drafting=True, mask_token_id=SMALL_V - 1)
-    drafter = create_drafter(cfg, seed=4)
-    drafter.lm_head.value = drafter.lm_head.value * 30.0  # a confident (and often wrong) drafter
+    if method == "ngram":
+        # A repetitive prompt and 1-grams, so the context drafter proposes in most rounds.
+        prompt, drafter = [1, 2, 3, 1, 2, 3, 1, 2], NgramProposer(1, 3)
+    else:
+        cfg = DrafterConfig.for_target(small_target.config, num_layers=1, parallel_drafting=True,
+                                       mask_token_id=SMALL_V - 1)
+        drafter = create_drafter(cfg, seed=4)
+        drafter.lm_head.value = drafter.lm_head.value * 30.0  # a confident (and often wrong) drafter
     exact = _exact_joint(small_target, prompt, 0.8, 0.9)
     out = speculative_generate(small_target, drafter, [prompt] * n, method=method, num_draft_tokens=3,
                                max_new_tokens=2, temperature=0.8, top_p=0.9, seed=11)
@@ -200,6 +207,7 @@ class _ConstantProposer(nnx.Module):
     """A drafter written only against the Proposer interface: always proposes token 3."""
 
     can_draft_parallel = True
+    uses_features = True
 
     def project(self, aux):
         return aux[..., :2]
@@ -209,7 +217,7 @@ class _ConstantProposer(nnx.Module):
 
     def propose(self, cache, pending, settings):
         b = pending.tokens.shape[0]
-        return jnp.full((b, settings.num_draft_tokens), 3, jnp.int32), None, cache
+        return Proposal(jnp.full((b, settings.num_draft_tokens), 3, jnp.int32), None, cache)
 
 
 def test_any_proposer_plugs_into_the_round(target, reference):

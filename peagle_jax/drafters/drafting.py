@@ -1,11 +1,13 @@
 """How a drafter takes part in a speculative round: the proposer interface and its inputs.
 
-A round needs three things from a drafter, whatever it is (a learned EAGLE-3 / P-EAGLE head
-or the replay oracle of the tests and synthetic benchmarks):
+A round needs three things from a drafter, whatever it is (a learned EAGLE-3 / P-EAGLE head,
+the prompt-lookup drafter of `drafters.ngram`, or the replay oracle of the tests and
+synthetic benchmarks):
   project   the target's concatenated feature taps -> the drafter's feature space;
   prefill   write the prompt's drafter rows into a fresh drafter KV cache;
-  propose   K draft tokens (and, when sampling, their probabilities q over the target
-            vocabulary) from the rows accepted in the last round.
+  propose   a `Proposal`: K draft tokens (and, when sampling, their probabilities q over
+            the target vocabulary) from the rows accepted in the last round, and which
+            sequences have drafts at all (a context drafter may find nothing to propose).
 `generate.steps` only calls these, so a new kind of drafter plugs in without touching it.
 
 The two ways an EAGLE-3 head drafts live here too:
@@ -16,11 +18,11 @@ The two ways an EAGLE-3 head drafts live here too:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from peagle_jax import sampling
 from peagle_jax.cache import KVCache
@@ -34,7 +36,7 @@ class Pending(NamedTuple):
     """The rows the next draft step feeds to the drafter (see `generate.steps`)."""
 
     tokens: Int[Array, "B W"]
-    feats: Float[Array, "B W H"]
+    feats: Float[Array, "B W H"] | None  # None for drafters that read no target features
     count: Int[Array, " B"]  # C valid rows per sequence
     base: Int[Array, " B"]  # position of row 0 (n_b - C)
 
@@ -51,7 +53,13 @@ class DraftSettings(NamedTuple):
     out_len: Int[Array, " B"]  # tokens emitted so far: where replaying drafters read
 
 
-DraftResult = tuple[Int[Array, "B K"], Float[Array, "B K V"] | None, KVCache | None]
+class Proposal(NamedTuple):
+    """One round's drafts from a `Proposer`."""
+
+    tokens: Int[Array, "B K"]  # drafts in target ids
+    q: Float[Array, "B K V"] | None  # their distribution over the target vocabulary; None: a point mass
+    cache: Any  # the drafter's new cache (KVCache, TokenHistory) or None
+    has_drafts: Bool[Array, " B"] | None = None  # None: every sequence has drafts
 
 
 @runtime_checkable
@@ -63,16 +71,22 @@ class Proposer(Protocol):
         """Whether `propose` can draft P-EAGLE style (settings.parallel)."""
         ...
 
+    @property
+    def uses_features(self) -> bool:
+        """Whether the drafter reads the target's feature taps (False: `project` is never called,
+        the verify skips the taps and `feats` arrive as None)."""
+        ...
+
     def project(self, aux: Float[Array, "B T A"]) -> Float[Array, "B T H"]:
         """Target feature taps -> the features the drafter's pending rows carry."""
         ...
 
-    def prefill(self, tokens: Int[Array, "B T"], feats: Float[Array, "B T H"], positions: Int[Array, "B T"],
-                capacity: int) -> KVCache | None:
+    def prefill(self, tokens: Int[Array, "B T"], feats: Float[Array, "B T H"] | None, positions: Int[Array, "B T"],
+                capacity: int) -> Any:
         """A fresh drafter cache holding the prompt rows (None: the drafter keeps no cache)."""
         ...
 
-    def propose(self, cache: KVCache | None, pending: Pending, settings: DraftSettings) -> DraftResult:
+    def propose(self, cache: Any, pending: Pending, settings: DraftSettings) -> Proposal:
         """K drafts in target ids, q over the target vocabulary (None when greedy), new cache."""
         ...
 
@@ -100,7 +114,7 @@ def _draft_tokens_from_logits(
     return target_ids, q_full
 
 
-def draft_parallel(drafter: Eagle3Drafter, cache: KVCache, pending: Pending, ds: DraftSettings) -> DraftResult:
+def draft_parallel(drafter: Eagle3Drafter, cache: KVCache, pending: Pending, ds: DraftSettings) -> Proposal:
     """P-EAGLE: K drafts from ONE forward over [pending | K-1 mask slots]."""
     cfg = drafter.config
     k = ds.num_draft_tokens
@@ -115,10 +129,10 @@ def draft_parallel(drafter: Eagle3Drafter, cache: KVCache, pending: Pending, ds:
     logit_rows = c - 1 + jnp.arange(k)[None, :]  # last pending row + K-1 mask rows
     out = drafter(tokens, feats, positions, cache, logit_rows=logit_rows)
     drafts, q = _draft_tokens_from_logits(drafter, out.logits, ds.key, ds.sampling, ds.greedy, ds.vocab)
-    return drafts, q, out.cache
+    return Proposal(drafts, q, out.cache)
 
 
-def draft_sequential(drafter: Eagle3Drafter, cache: KVCache, pending: Pending, ds: DraftSettings) -> DraftResult:
+def draft_sequential(drafter: Eagle3Drafter, cache: KVCache, pending: Pending, ds: DraftSettings) -> Proposal:
     """EAGLE-3: one forward over the pending rows, then K-1 single-row forwards."""
     b, w = pending.tokens.shape
     c = pending.count[:, None]
@@ -141,8 +155,8 @@ def draft_sequential(drafter: Eagle3Drafter, cache: KVCache, pending: Pending, d
 
     cache = out.cache
     if ds.num_draft_tokens == 1:
-        return tok, q, cache
+        return Proposal(tok, q, cache)
     (cache, _, _), (toks, qs) = jax.lax.scan(step, (cache, tok, hidden), jnp.arange(1, ds.num_draft_tokens))
     drafts = jnp.concatenate([tok, toks.T], axis=1)
     probs = None if q is None else jnp.concatenate([q, jnp.moveaxis(qs, 0, 1)], axis=1)
-    return drafts, probs, cache
+    return Proposal(drafts, probs, cache)

@@ -19,7 +19,7 @@ from jaxtyping import Array, Float, Int
 
 from peagle_jax.cache import KVCache, shard_cache
 from peagle_jax.drafters.config import DrafterConfig
-from peagle_jax.drafters.drafting import DraftResult, DraftSettings, Pending, draft_parallel, draft_sequential
+from peagle_jax.drafters.drafting import DraftSettings, Pending, Proposal, draft_parallel, draft_sequential
 from peagle_jax.models.layers import MLP, Attention, Linear, RMSNorm, matmul
 
 
@@ -98,6 +98,8 @@ class Eagle3Drafter(nnx.Module):
                               cfg.head_dim, dtype or self.kv_cache_dtype or cfg.dtype)
         return shard_cache(cache, self.mesh)
 
+    uses_features = True  # drafts from the target's feature taps
+
     def project(self, aux: Float[Array, "... A"]) -> Float[Array, "... H"]:
         """Target taps (concatenated) -> drafter feature space."""
         return self.fc(aux.astype(self.fc.kernel.dtype))
@@ -112,7 +114,7 @@ class Eagle3Drafter(nnx.Module):
         cache = self.init_cache(tokens.shape[0], capacity)
         return self(tokens, feats, positions, cache, logit_rows=jnp.zeros((tokens.shape[0], 1), jnp.int32)).cache
 
-    def propose(self, cache: KVCache, pending: Pending, settings: DraftSettings) -> DraftResult:
+    def propose(self, cache: KVCache, pending: Pending, settings: DraftSettings) -> Proposal:
         """K drafts: one parallel forward (P-EAGLE) or K sequential ones (EAGLE-3)."""
         if settings.parallel and self.mask_hidden is None:
             raise ValueError("P-EAGLE drafting needs a head built for parallel drafting (mask_hidden)")

@@ -27,7 +27,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from peagle_jax.cache import KVCache
-from peagle_jax.drafters.drafting import DraftResult, DraftSettings, Pending
+from peagle_jax.drafters.drafting import DraftSettings, Pending, Proposal
 
 
 class ReferenceTokens(nnx.Variable):
@@ -90,6 +90,8 @@ class ReferenceDrafter(nnx.Module):
         self.use_schedule.value = jnp.asarray(acceptance is not None)
         self.conditional.value = jnp.asarray(cond, jnp.float32)
 
+    uses_features = True  # drafts from the target's feature taps
+
     def project(self, aux: Float[Array, "B T A"]) -> Float[Array, "B T H"]:
         if self.head is not None:
             return self.head.project(aux)
@@ -104,12 +106,12 @@ class ReferenceDrafter(nnx.Module):
         """The head's prompt cache (its cost is part of what a head-driven oracle measures)."""
         return None if self.head is None else self.head.prefill(tokens, feats, positions, capacity)
 
-    def propose(self, cache: KVCache | None, pending: Pending, settings: DraftSettings) -> DraftResult:
+    def propose(self, cache: KVCache | None, pending: Pending, settings: DraftSettings) -> Proposal:
         """The oracle's drafts (q None: a point mass), after the head's own drafting if any."""
         if self.head is None:
-            return self.tokens_at(settings.out_len, settings.num_draft_tokens), None, cache
-        drafted, _, cache = self.head.propose(cache, pending, settings)
-        return self.overlay(drafted, settings.out_len), None, cache
+            return Proposal(self.tokens_at(settings.out_len, settings.num_draft_tokens), None, cache)
+        drafted = self.head.propose(cache, pending, settings)
+        return Proposal(self.overlay(drafted.tokens, settings.out_len), None, drafted.cache)
 
     def tokens_at(self, out_len: Int[Array, " B"], num_draft: int) -> Int[Array, "B K"]:
         """Reference tokens for output positions out_len.. out_len+K-1, wrong where scheduled."""

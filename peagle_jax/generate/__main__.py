@@ -20,9 +20,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", default=None,
                    help="draft head directory (AWS/EAGLE-3 or speculators layout) or 'none'; default: the default "
                         "model's shipped head for --method")
-    p.add_argument("--method", choices=("none", "eagle3", "peagle"), default=None,
+    p.add_argument("--method", choices=("none", "eagle3", "peagle", "ngram"), default=None,
                    help="default: peagle for a parallel-drafting head, eagle3 for a sequential one, "
-                        "none without a head")
+                        "none without a head; ngram drafts by prompt lookup (no head)")
+    p.add_argument("--prompt-lookup-min", type=int, default=2, help="smallest n-gram --method ngram matches")
+    p.add_argument("--prompt-lookup-max", type=int, default=4, help="largest n-gram --method ngram matches")
     p.add_argument("-k", "--num-draft-tokens", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
@@ -57,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         llm = load(args.model, drafter=args.drafter or "auto", method=args.method or "auto", dtype=args.dtype,
                    mesh=args.mesh, attention=args.attention, kv_cache_dtype=args.kv_cache_dtype,
-                   fp8_weights=args.fp8_weights)
+                   fp8_weights=args.fp8_weights, prompt_lookup_min=args.prompt_lookup_min,
+                   prompt_lookup_max=args.prompt_lookup_max)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

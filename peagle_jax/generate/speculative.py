@@ -91,7 +91,8 @@ def speculative_generate(
     """Generate from B prompts with speculative decoding, entirely on device.
 
     method: "peagle" (K drafts from one drafter forward), "eagle3" (K sequential drafter
-      forwards) or "none" (plain decoding; `drafter` may be None).
+      forwards), "ngram" (prompt lookup; `drafter` None means `NgramProposer()`) or "none"
+      (plain decoding; `drafter` may be None).
     Greedy output (temperature 0) is token-identical to plain greedy decoding of `target`;
     sampled output follows the target's processed distribution exactly.
     """
@@ -101,6 +102,10 @@ def speculative_generate(
         raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if method == "ngram" and drafter is None:
+        from peagle_jax.drafters.ngram import NgramProposer
+
+        drafter = NgramProposer()
     b = len(prompts)
     t = prompt_bucket(max(len(p) for p in prompts), min_bucket)
     k = num_draft_tokens if method != "none" else 0

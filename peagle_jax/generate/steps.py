@@ -37,13 +37,15 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from peagle_jax import sampling
-from peagle_jax.cache import KVCache
-from peagle_jax.drafters.drafting import DraftSettings, Pending, Proposer, pad_rows
+from peagle_jax.cache import KVCache, TokenHistory
+from peagle_jax.drafters.drafting import DraftSettings, Pending, Proposal, Proposer, pad_rows
 from peagle_jax.models.transformer import CausalLM
 from peagle_jax.sampling import SamplingParams
 
-Method = Literal["none", "eagle3", "peagle"]
-METHODS = ("none", "eagle3", "peagle")
+Method = Literal["none", "eagle3", "peagle", "ngram"]
+METHODS = ("none", "eagle3", "peagle", "ngram")
+#: Methods whose drafter reads the target's feature taps (the others skip computing them).
+FEATURE_METHODS = ("eagle3", "peagle")
 
 #: XLA options for every program that runs these steps. Greedy speculative decoding is exact
 #: only if a row gets bitwise the same logits in a 1-row decode step, a K+1-row verify and a
@@ -86,6 +88,11 @@ class SpecConfig:
     def uses_drafter(self) -> bool:
         return self.method != "none"
 
+    @property
+    def uses_features(self) -> bool:
+        """Whether verify and prefill return the feature taps (EAGLE-3 / P-EAGLE heads)."""
+        return self.method in FEATURE_METHODS
+
     def check_drafter(self, drafter: Proposer | None) -> None:
         """A clear error when `drafter` cannot draft for this method."""
         if self.uses_drafter and drafter is None:
@@ -93,16 +100,20 @@ class SpecConfig:
         if self.method == "peagle" and not drafter.can_draft_parallel:
             raise ValueError("method 'peagle' needs a head built for parallel drafting (P-EAGLE: mask_token_id and "
                              "mask_hidden); this one drafts sequentially only (EAGLE-3)")
+        if self.uses_drafter and drafter.uses_features != self.uses_features:
+            raise ValueError(f"method {self.method!r} needs a drafter that "
+                             f"{'reads' if self.uses_features else 'does not read'} target features; "
+                             f"got {type(drafter).__name__}")
 
 
 class SpecState(NamedTuple):
     """Everything a round needs, per sequence; a pytree carried by `lax.while_loop`."""
 
     target_cache: KVCache  # lengths = n_b
-    drafter_cache: KVCache | None
+    drafter_cache: KVCache | TokenHistory | None
     last_token: Int[Array, " B"]
     pending_tokens: Int[Array, "B W"]  # W = K + 1
-    pending_feats: Float[Array, "B W H"] | None  # drafter-space features (after fc)
+    pending_feats: Float[Array, "B W H"] | None  # drafter-space features (after fc); None for n-gram
     num_pending: Int[Array, " B"]
     output: Int[Array, "B N"]  # generated tokens (N = output buffer size)
     out_len: Int[Array, " B"]
@@ -185,6 +196,41 @@ def _plain_step(target: CausalLM, state: SpecState, key: jax.Array, greedy: bool
     return out, jnp.zeros_like(nxt), nxt
 
 
+def _verify_step(target: CausalLM, state: SpecState, proposal: Proposal, key: jax.Array, config: SpecConfig):
+    """ONE (K+1)-row target forward over the drafts, then greedy or exact rejection acceptance."""
+    out = verify_forward(target, state.target_cache, state.last_token, proposal.tokens,
+                         return_aux=config.uses_features)
+    if config.greedy:
+        m, nxt = sampling.accept_greedy(proposal.tokens, out.logits)
+    else:
+        sp = state.sampling
+        m, nxt = sampling.verify(key, proposal.tokens, proposal.q, out.logits, sp.temperature, sp.top_k, sp.top_p)
+    return out, m, nxt
+
+
+def _target_step(target: CausalLM, state: SpecState, proposal: Proposal, key: jax.Array, config: SpecConfig,
+                 active: Bool[Array, " B"]):
+    """The target's part of a round: (cache, accepted count m, next token, feature taps).
+
+    A proposer that may have nothing to propose (n-gram) reports `has_drafts`; when no active
+    sequence has drafts, the round runs a plain 1-row decode step instead of a K+1-row verify
+    (both are compiled; `lax.cond` picks one per round).
+    """
+    if proposal.has_drafts is None:
+        out, m, nxt = _verify_step(target, state, proposal, key, config)
+        return out.cache, m, nxt, out.aux_hidden
+
+    def verify():
+        out, m, nxt = _verify_step(target, state, proposal, key, config)
+        return out.cache, m, nxt
+
+    def plain():
+        out, m, nxt = _plain_step(target, state, key, config.greedy)
+        return out.cache, m, nxt
+
+    return *jax.lax.cond(jnp.any(proposal.has_drafts & active), verify, plain), None
+
+
 def spec_round(target: CausalLM, drafter: Proposer | None, state: SpecState, config: SpecConfig) -> SpecState:
     """One speculative round over the whole batch (finished sequences are frozen)."""
     active = ~state.done
@@ -197,21 +243,20 @@ def spec_round(target: CausalLM, drafter: Proposer | None, state: SpecState, con
 
     if not config.uses_drafter:
         out, m, nxt = _plain_step(target, state, k_verify, config.greedy)
+        tcache = out.cache
         emitted = nxt[:, None]
         dcache, pend_tok, pend_feat = state.drafter_cache, state.pending_tokens, state.pending_feats
     else:
-        sp = state.sampling
         settings = draft_settings(config, state, k_draft, target.config.vocab_size)
-        drafts, q, dcache = drafter.propose(state.drafter_cache, pending_rows(state), settings)
-        out = verify_forward(target, state.target_cache, state.last_token, drafts, return_aux=True)
-        if config.greedy:
-            m, nxt = sampling.accept_greedy(drafts, out.logits)
-        else:
-            m, nxt = sampling.verify(k_verify, drafts, q, out.logits, sp.temperature, sp.top_k, sp.top_p)
+        proposal = drafter.propose(state.drafter_cache, pending_rows(state), settings)
+        drafts, dcache = proposal.tokens, proposal.cache
+        tcache, m, nxt, aux = _target_step(target, state, proposal, k_verify, config, active)
         rows = jnp.arange(k + 1)[None, :]
         emitted = jnp.where(rows == m[:, None], nxt[:, None], pad_rows(drafts, k + 1))
         pend_tok = _select(active, emitted, state.pending_tokens)
-        pend_feat = _select(active, drafter.project(out.aux_hidden), state.pending_feats)
+        pend_feat = None
+        if config.uses_features:
+            pend_feat = _select(active, drafter.project(aux), state.pending_feats)
 
     num_new = m + 1
     output, out_len, done, hit_eos = _commit(state, emitted, num_new, k + 1)
@@ -220,7 +265,7 @@ def spec_round(target: CausalLM, drafter: Proposer | None, state: SpecState, con
     if k:
         hist = hist + (active[:, None] & (jnp.arange(k)[None, :] < m[:, None])).astype(jnp.int32)
     return state._replace(
-        target_cache=out.cache.with_lengths(new_len),
+        target_cache=tcache.with_lengths(new_len),
         drafter_cache=dcache,
         last_token=jnp.where(active, nxt, state.last_token),
         pending_tokens=pend_tok,
@@ -267,16 +312,17 @@ def prefill(
     k = config.num_draft_tokens
     positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
     out = target(tokens, positions, target.init_cache(b, config.capacity), logit_rows=(prompt_lens - 1)[:, None],
-                 return_aux=config.uses_drafter)
+                 return_aux=config.uses_features)
     k_first, k_rest = sampling.split_keys(key, 2)  # key: one per sequence, [B]
     first = _first_token(out.logits, sp, k_first, config.greedy)
     pend_tok = jnp.zeros((b, k + 1), jnp.int32).at[:, 0].set(first)
     dcache, pend_feat = None, None
     if config.uses_drafter:
-        feats = drafter.project(out.aux_hidden)  # [B, T, H]
+        feats = drafter.project(out.aux_hidden) if config.uses_features else None  # [B, T, H]
         # Drafter rows for p = 0..L-2: token p+1 with the feature of position p.
         shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
         dcache = drafter.prefill(shifted, feats, positions, config.capacity)
+    if config.uses_features:
         last_feat = jnp.take_along_axis(feats, (prompt_lens - 1)[:, None, None], axis=1)  # [B, 1, H]
         pend_feat = jnp.zeros((b, k + 1, feats.shape[-1]), feats.dtype).at[:, :1].set(last_feat)
     state = SpecState(

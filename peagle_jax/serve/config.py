@@ -66,8 +66,10 @@ class ServeConfig(BaseModel):
         description=f"draft head directory; unset = {DEFAULT_DRAFTER} for the default model if present; "
         "'none' = no drafter",
     )
-    method: Literal["auto", "none", "eagle3", "peagle"] = "auto"
+    method: Literal["auto", "none", "eagle3", "peagle", "ngram"] = "auto"
     num_draft_tokens: int = Field(5, ge=1, le=32)
+    prompt_lookup_min: int = Field(2, ge=1, description="smallest n-gram method 'ngram' matches")
+    prompt_lookup_max: int = Field(4, ge=1, description="largest n-gram method 'ngram' matches")
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     attention: Literal["xla", "triton", "mosaic", "auto"] | None = Field(
         None, description="cache-attention implementation (Pallas kernels on GPU; default: XLA reference)")
@@ -104,6 +106,9 @@ class ServeConfig(BaseModel):
     def _check(self) -> ServeConfig:
         if self.drafter is not None and self.drafter.lower() == "none" and self.method in ("eagle3", "peagle"):
             raise ValueError(f"method {self.method!r} needs a drafter (drafter is 'none')")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
         return self
 
     @classmethod
@@ -120,8 +125,10 @@ _FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--model",), dict(help="a .gguf file or an HF model directory (default: SmolLM2-135M-Instruct)")),
     (("--served-model-name",), dict(help="model id reported by /v1/models and accepted in requests")),
     (("--drafter",), dict(help=f"draft head directory, or 'none' (default: {DEFAULT_DRAFTER} if present)")),
-    (("--method",), dict(choices=("auto", "none", "eagle3", "peagle"))),
+    (("--method",), dict(choices=("auto", "none", "eagle3", "peagle", "ngram"))),
     (("-k", "--num-draft-tokens"), dict(type=int)),
+    (("--prompt-lookup-min",), dict(type=int, help="smallest n-gram --method ngram matches (default 2)")),
+    (("--prompt-lookup-max",), dict(type=int, help="largest n-gram --method ngram matches (default 4)")),
     (("--dtype",), dict(choices=("float32", "bfloat16"))),
     (("--attention",), dict(choices=("xla", "triton", "mosaic", "auto"), help="cache-attention implementation")),
     (("--kv-cache-dtype",), dict(choices=("float32", "bfloat16", "float8_e4m3fn"))),

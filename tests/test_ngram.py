@@ -1,0 +1,91 @@
+"""Prompt-lookup (n-gram) drafting: the matcher, exactness, and the plain-step fallback."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from peagle_jax.drafters.ngram import NgramProposer, match_ngram
+from peagle_jax.generate import speculative_generate
+from peagle_jax.models import ModelConfig, create_model
+
+VOCAB = 64
+EOS = 0
+# Random tiny targets fall into greedy loops: the context then predicts the continuation.
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9, 7, 8, 9, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [5]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    cfg = ModelConfig(architecture="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    return create_model(cfg, seed=1)
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    return speculative_generate(target, None, PROMPTS, method="none", max_new_tokens=40, eos_token_ids=[EOS])
+
+
+def _match(rows, lengths, k, min_n, max_n):
+    width = max(len(r) for r in rows)
+    hist = jnp.asarray([r + [0] * (width - len(r)) for r in rows], jnp.int32)
+    drafts, has = match_ngram(hist, jnp.asarray(lengths, jnp.int32), k, min_n, max_n)
+    return np.asarray(drafts).tolist(), np.asarray(has).tolist()
+
+
+def test_match_continues_the_latest_longest_occurrence():
+    # "5 6 7" occurred at rows 0..2: propose what followed it (8), then continue periodically.
+    drafts, has = _match([[5, 6, 7, 8, 5, 6, 7, 0]], [7], 4, 2, 3)
+    assert has == [True] and drafts == [[8, 5, 6, 7]]
+    # The latest occurrence wins over an older one: "1 2" is followed by 9 most recently.
+    drafts, has = _match([[1, 2, 3, 1, 2, 9, 1, 2]], [8], 2, 2, 2)
+    assert drafts == [[9, 1]]
+    # The longest n wins: "4 1 2" (n=3) occurred followed by 7; "1 2" alone last by 9.
+    drafts, _ = _match([[4, 1, 2, 7, 1, 2, 9, 4, 1, 2]], [10], 1, 2, 3)
+    assert drafts == [[7]]
+
+
+def test_no_match_reports_no_drafts():
+    drafts, has = _match([[1, 2, 3, 4, 5, 6]], [6], 3, 2, 4)
+    assert has == [False] and drafts == [[6, 6, 6]]  # the last token: cheap and harmless
+    # Rows past the valid length never match (they hold stale tokens).
+    _, has = _match([[1, 2, 3, 1, 2, 3]], [4], 2, 2, 2)
+    assert has == [False]
+    with pytest.raises(ValueError, match="min_n"):
+        NgramProposer(3, 2)
+
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_greedy_ngram_is_exactly_plain_decoding(target, reference, k):
+    out = speculative_generate(target, None, PROMPTS, method="ngram", num_draft_tokens=k, max_new_tokens=32,
+                               eos_token_ids=[EOS])
+    assert out.tokens == [t[:32] for t in reference.tokens]
+    assert out.accepted_per_position.shape == (k,)
+    assert out.mean_acceptance_length > 1.0  # the loops were drafted from the context
+
+
+def test_rounds_without_a_match_emit_one_token_each(target, reference):
+    # min_n larger than any repeat the outputs have: no round ever drafts (each runs the plain
+    # 1-row step of `steps._target_step`), one token per round, exactly as method "none".
+    prompt = [[3]]
+    none = speculative_generate(target, None, prompt, method="none", max_new_tokens=12, eos_token_ids=[EOS])
+    out = speculative_generate(target, NgramProposer(12, 12), prompt, method="ngram", num_draft_tokens=3,
+                               max_new_tokens=12, eos_token_ids=[EOS])
+    assert out.tokens == none.tokens
+    assert out.accepted_per_position.sum() == 0
+    assert out.total_rounds == none.total_rounds
+
+
+def test_ngram_refuses_heads_and_feature_drafters(target):
+    from peagle_jax.api import resolve_drafter
+    from peagle_jax.drafters import DrafterConfig, create_drafter
+
+    with pytest.raises(ValueError, match="takes no head"):
+        resolve_drafter(None, "assets/heads/smollm2-135m-peagle", "ngram")
+    head = create_drafter(DrafterConfig.for_target(target.config, num_layers=1), seed=0)
+    with pytest.raises(ValueError, match="does not read target features"):
+        speculative_generate(target, head, PROMPTS, method="ngram", num_draft_tokens=2, max_new_tokens=4)
+    with pytest.raises(ValueError, match="reads target features"):
+        speculative_generate(target, NgramProposer(), PROMPTS, method="eagle3", num_draft_tokens=2, max_new_tokens=4)
