@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 
+import uvicorn
 from pydantic import ValidationError
 
 from peagle_jax.serve.config import ServeConfig, build_parser, config_from_args, format_validation_error
@@ -20,16 +22,40 @@ log = logging.getLogger("peagle_jax.serve")
 
 
 def run(app, config: ServeConfig) -> None:
-    """Serve `app` with uvicorn until SIGINT/SIGTERM. On a signal uvicorn stops accepting
-    connections and gives in-flight requests `drain_timeout` seconds; the app's lifespan then
-    stops the engine (whatever is still running ends with finish_reason "abort")."""
-    import uvicorn
-
+    """Serve `app` with uvicorn until SIGINT/SIGTERM, then drain (see `DrainingServer`)."""
+    # uvicorn's own grace period only needs to cover writing the last chunks: the drain itself
+    # is the engine's (`DrainingServer.handle_exit`), which ends every stream properly.
     uvicorn_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level,
-        timeout_graceful_shutdown=max(config.drain_timeout, 0.1), access_log=config.log_level == "debug",
+        timeout_graceful_shutdown=config.drain_timeout + FLUSH_GRACE_S, access_log=config.log_level == "debug",
     )
-    uvicorn.Server(uvicorn_config).run()
+    DrainingServer(uvicorn_config, app.state.engine, config.drain_timeout).run()
+
+
+#: Seconds uvicorn waits past the drain for streams to send their final chunk and [DONE].
+FLUSH_GRACE_S = 5.0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, draining through the engine on SIGINT/SIGTERM and exiting with status 0.
+
+    On the signal the engine stops taking requests (new ones get 503) and in-flight ones get
+    `drain_timeout` seconds; whatever is left then ends with finish_reason "abort", so every
+    stream still sends its last chunk and `data: [DONE]` before uvicorn closes the connections.
+    A drain is a clean stop, so the signal is not re-raised afterwards (uvicorn's default would
+    end the process with -SIGTERM).
+    """
+
+    def __init__(self, config: uvicorn.Config, engine, drain_timeout: float):
+        super().__init__(config)
+        self.engine, self.drain_timeout = engine, drain_timeout
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:  # the engine's shutdown is idempotent; the lifespan calls it again
+            threading.Thread(target=self.engine.shutdown, args=(self.drain_timeout,), name="peagle-drain",
+                             daemon=True).start()
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()
 
 
 def main(argv: list[str] | None = None) -> int:

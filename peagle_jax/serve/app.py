@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -20,7 +21,7 @@ from peagle_jax.serve.context import ServerContext
 from peagle_jax.serve.engine import Engine
 from peagle_jax.serve.errors import APIError, register_exception_handlers
 from peagle_jax.serve.handlers import ROUTE_PATHS, router
-from peagle_jax.serve.middleware import RequestCounter
+from peagle_jax.serve.middleware import RequestCounter, RequestGate
 
 log = logging.getLogger("peagle_jax.serve")
 
@@ -83,7 +84,8 @@ def _build_context(config: ServeConfig, loaded: LoadedModel) -> ServerContext:
     aliases = frozenset({name, "default"} if name == _DEFAULT_MODEL_NAME else {name})
     log.info("serving %s: method=%s K=%d batch=%d max_model_len=%d", name, loaded.method,
              engine.num_draft_tokens, config.max_batch_size, max_len)
-    return ServerContext(engine=engine, config=config, metrics=engine.metrics, tokenizer=loaded.tokenizer,
+    return ServerContext(engine=engine, config=config, metrics=engine.metrics,
+                         tokenizer=copy.deepcopy(loaded.tokenizer),
                          model_name=name, model_aliases=aliases, method=loaded.method, max_model_len=max_len,
                          created=int(time.time()))
 
@@ -126,5 +128,7 @@ def create_app(
     app.state.model_name, app.state.method = ctx.model_name, ctx.method
     register_exception_handlers(app)
     app.include_router(router)
-    app.add_middleware(RequestCounter, metrics=ctx.metrics, paths=ROUTE_PATHS)
+    app.add_middleware(RequestGate, api_key=config.api_key, max_body_bytes=config.max_request_bytes,
+                       allowed_hosts=config.resolved_allowed_hosts())
+    app.add_middleware(RequestCounter, metrics=ctx.metrics, paths=ROUTE_PATHS)  # outermost: counts gate answers
     return app

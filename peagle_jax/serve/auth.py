@@ -3,21 +3,14 @@
 from __future__ import annotations
 
 import secrets
-from typing import Annotated
 
-from fastapi import Depends, Request
-
-from peagle_jax.serve.context import ServerContext, get_context
-from peagle_jax.serve.errors import APIError
-
-__all__ = ["require_api_key"]
+__all__ = ["api_key_ok"]
 
 
-async def require_api_key(request: Request, ctx: Annotated[ServerContext, Depends(get_context)]) -> None:
-    """FastAPI dependency; a no-op when the server has no key. Compares in constant time."""
-    if not ctx.config.api_key:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), ctx.config.api_key.encode()):
-        raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                       code="invalid_api_key", type="authentication_error")
+def api_key_ok(authorization: str | None, api_key: str | None) -> bool:
+    """Whether an `Authorization` header carries `api_key` (always True without a key).
+    Compares in constant time."""
+    if not api_key:
+        return True
+    scheme, _, token = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), api_key.encode())

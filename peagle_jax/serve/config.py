@@ -13,13 +13,16 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-__all__ = ["DEFAULT_DRAFTER", "Mesh", "ServeConfig", "build_parser", "config_from_args", "parse_mesh"]
+__all__ = ["DEFAULT_DRAFTER", "LOOPBACK_HOSTS", "Mesh", "ServeConfig", "build_parser", "config_from_args", "parse_mesh"]
 
 #: Where the trained P-EAGLE head for the default model is expected. Used only when no
 #: drafter is configured and the default model is served; when the directory is absent the
 #: server falls back to plain decoding (method "none") and logs that it did.
 DEFAULT_DRAFTER = "assets/heads/smollm2-135m-peagle"
-
+#: Host names a server without an API key answers by default (IP literals pass as well: a
+#: DNS-rebinding page can reach the server only through a host *name*).
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+_WILDCARD_BINDS = ("0.0.0.0", "::", "")
 
 
 class Mesh(BaseModel):
@@ -90,7 +93,28 @@ class ServeConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>' on /v1/*")
+    allowed_hosts: list[str] | None = Field(
+        None, description="Host header names served ('*' = any, '*.example.com' = subdomains); default: any "
+        "with an API key, else the loopback names and the bind address (IP literals always pass)")
+    max_request_bytes: int = Field(4 * 2**20, ge=1024, description="largest request body (413 above it)")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _hosts(cls, v: Any) -> Any:
+        if isinstance(v, str):  # "a.example.com,b.example.com" from the command line
+            v = [h.strip() for h in v.split(",") if h.strip()]
+        return v
+
+    def resolved_allowed_hosts(self) -> list[str] | None:
+        """The Host names to serve (None: any). Without an API key only loopback names and the
+        bind address, so a keyless server cannot be reached through DNS rebinding."""
+        if self.allowed_hosts is not None:
+            return self.allowed_hosts
+        if self.api_key:
+            return None
+        extra = [] if self.host in _WILDCARD_BINDS or self.host in LOOPBACK_HOSTS else [self.host]
+        return list(LOOPBACK_HOSTS) + extra
 
     @field_validator("mesh", mode="before")
     @classmethod
@@ -144,6 +168,9 @@ _FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--host",), dict(help="bind address (default 127.0.0.1: localhost only)")),
     (("--port",), dict(type=int)),
     (("--api-key",), dict(help="require this Bearer token on /v1/* (or set PEAGLE_API_KEY)")),
+    (("--allowed-hosts",), dict(help="comma-separated Host names to answer ('*' = any; default: any with an API "
+                                     "key, else loopback names and the bind address)")),
+    (("--max-request-bytes",), dict(type=int, help="largest request body in bytes (default 4 MiB; 413 above)")),
     (("--log-level",), dict(choices=("debug", "info", "warning", "error"))),
 ]
 

@@ -83,6 +83,8 @@ class EngineStopped(Exception):
 
 
 _ids = itertools.count()
+_MAX_TEMPERATURE = 100.0  # the HTTP schema's bound (serve.protocol); finite in float32
+_INT32_MAX = 2**31 - 1
 
 
 @dataclasses.dataclass(eq=False)
@@ -204,6 +206,7 @@ class Engine:
         self._slots: list[GenRequest | None] = [None] * max_batch_size
         self._waiting: deque[GenRequest] = deque()
         self._cv = threading.Condition()
+        self._end_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = False  # no new requests
         self._abort = False  # cancel everything and exit
@@ -222,22 +225,58 @@ class Engine:
         self.started = True
 
     def submit(self, req: GenRequest) -> None:
-        """Queue a request (prompt already validated). Raises QueueFull / EngineStopped."""
+        """Queue one request. Raises QueueFull / EngineStopped / ValueError (see `submit_all`)."""
+        self.submit_all([req])
+
+    def submit_all(self, reqs: Sequence[GenRequest]) -> None:
+        """Queue the requests of one API call, all or none.
+
+        Every request counts against the capacity (free slots + `max_queue_size` waiting), so a
+        prompt list or n > 1 cannot slip past the queue cap. A request whose settings the
+        engine's arrays cannot hold raises ValueError before anything is queued: bad data is
+        refused at the door and never reaches a batch it shares with others.
+        """
+        for r in reqs:
+            self.check_request(r)
         with self._cv:
             if self._stopping or not self.started:
                 raise EngineStopped("the server is shutting down")
-            if len(self._waiting) >= self.max_queue_size and self.num_free_slots() == 0:
-                raise QueueFull(f"the request queue is full ({self.max_queue_size} waiting)")
-            self._waiting.append(req)
+            room = self.max_queue_size + self.num_free_slots() - len(self._waiting)
+            if len(reqs) > room:
+                raise QueueFull(f"the server is at capacity: {len(reqs)} sequences asked for, room for {max(room, 0)} "
+                                f"({self.max_batch_size} slots, queue of {self.max_queue_size})")
+            self._waiting.extend(reqs)
             self.metrics.queue_depth.set(len(self._waiting))
             self._cv.notify()
 
+    def check_request(self, r: GenRequest) -> None:
+        """ValueError naming the first value of `r` the batch arrays cannot hold."""
+        if not r.prompt_ids or len(r.prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(r.prompt_ids)} tokens; it must have 1..{self.max_model_len - 1}")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in r.prompt_ids):
+            raise ValueError(f"prompt has token ids outside [0, {self.vocab_size})")
+        room = self.max_model_len - len(r.prompt_ids)
+        if not 1 <= r.max_new_tokens <= room:
+            raise ValueError(f"max_new_tokens {r.max_new_tokens} must be in 1..{room}")
+        if not (np.isfinite(r.temperature) and 0 <= r.temperature <= _MAX_TEMPERATURE):
+            raise ValueError(f"temperature {r.temperature} must be finite and in [0, {_MAX_TEMPERATURE}]")
+        if not -1 <= r.top_k <= _INT32_MAX:
+            raise ValueError(f"top_k {r.top_k} must be in [-1, {_INT32_MAX}]")
+        if not 0 < r.top_p <= 1:
+            raise ValueError(f"top_p {r.top_p} must be in (0, 1]")
+
     def cancel(self, req: GenRequest) -> None:
-        """Drop a request (client went away): its slot is freed at the next round boundary."""
+        """Drop a request (client went away). A queued one leaves the queue now; a running one
+        frees its slot at the next round boundary."""
         with self._cv:
-            if not req.finished:
-                req.cancelled = True
-                self._cv.notify()
+            if req.finished:
+                return
+            req.cancelled = True
+            if req in self._waiting:
+                self._waiting.remove(req)
+                self.metrics.queue_depth.set(len(self._waiting))
+                self._finish(req, "abort")
+            self._cv.notify()
 
     def num_free_slots(self) -> int:
         return sum(r is None for r in self._slots)
@@ -264,7 +303,12 @@ class Engine:
             time.sleep(0.02)
         with self._cv:
             self._abort = True
+            left = list(self._waiting) + [r for r in self._slots if r is not None]
             self._cv.notify()
+        # End them now, from this thread: the engine thread may be in the middle of a long round
+        # (or a compile), and every stream must get its last chunk before the server closes.
+        for r in left:
+            self._finish(r, "abort")
         if self._thread is not None:
             self._thread.join(timeout=30)
         # Anything left (thread died or never started) is failed, never left hanging.
@@ -388,9 +432,27 @@ class Engine:
             r.slot = s
             self._slots[s] = r
         for i in range(0, len(reqs), self.max_prefill_batch):
-            self._prefill_group(reqs[i : i + self.max_prefill_batch])
+            self._prefill_isolated(reqs[i : i + self.max_prefill_batch])
 
-    def _prefill_group(self, reqs: list[GenRequest]) -> None:
+    def _prefill_isolated(self, reqs: list[GenRequest]) -> None:
+        """Prefill a group; if it fails, prefill its requests one by one, so a request that
+        breaks its prefill fails alone and its group-mates start as if it had never come."""
+        try:
+            new = self._prefill_rows(reqs)
+        except Exception as e:  # noqa: BLE001 - whatever broke, it must not spread
+            if len(reqs) > 1:
+                log.warning("prefill of %d requests failed (%s); retrying them one by one", len(reqs), e)
+                for r in reqs:
+                    self._prefill_isolated([r])
+                return
+            log.exception("prefill of request %d failed", reqs[0].id)
+            self._fail(reqs[0], f"internal error in the engine: {type(e).__name__}")
+            self._slots[reqs[0].slot] = None  # never inserted: its row is still the old, done one
+            return
+        self._insert(reqs, *new)
+
+    def _prefill_rows(self, reqs: list[GenRequest]):
+        """Run the prefill of a group (no engine state touched): (new state rows, host arrays)."""
         n = len(reqs)
         nb = _pow2(n)
         t = prompt_bucket(max(len(r.prompt_ids) for r in reqs), self.min_prompt_bucket)
@@ -421,6 +483,11 @@ class Engine:
         # per row is cheap: one prefill compilation per shape instead of two.
         new = self._prefill(jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(max_new), sp, key, False)
         first, done, hit_eos = jax.device_get((new.output[:, 0], new.done, new.hit_eos))
+        return new, slots, lens, first, done, hit_eos
+
+    def _insert(self, reqs: list[GenRequest], new, slots, lens, first, done, hit_eos) -> None:
+        """Write prefilled rows into their slots and emit each request's first token."""
+        n = len(reqs)
         self._state = _insert_jit(self._state, new, jnp.asarray(slots))
         now = time.perf_counter()
         self.metrics.prompt_tokens.inc(int(lens[:n].sum()))
@@ -478,10 +545,17 @@ class Engine:
             r.sink(Delta(text, used))
         return r.stopper.hit
 
+    def _claim_end(self, r: GenRequest) -> bool:
+        """True exactly once per request: whoever ends it (engine thread, a cancel, a drain)."""
+        with self._end_lock:
+            if r.finished:
+                return False
+            r.finished = True
+            return True
+
     def _finish(self, r: GenRequest, reason: str) -> None:
-        if r.finished:
+        if not self._claim_end(r):
             return
-        r.finished = True
         tail = ""
         if r.detok is not None and reason != "abort":
             if not r.stopper.hit:
@@ -497,8 +571,7 @@ class Engine:
         r.sink(Finished(reason, len(r.prompt_ids), r.completion_tokens, tail))
 
     def _fail(self, r: GenRequest, message: str) -> None:
-        if r.finished:
+        if not self._claim_end(r):
             return
-        r.finished = True
         self.metrics.requests.labels(finish_reason="error").inc()
         r.sink(Failed(message))

@@ -38,9 +38,10 @@ class APIError(Exception):
     """Raised anywhere in a request to answer with this status and error body."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers
 
     def body(self) -> ErrorBody:
         return ErrorBody.of(self.message, self.type, self.param, self.code)
@@ -71,8 +72,10 @@ def validation_to_error(exc: RequestValidationError) -> APIError:
 
 async def api_error_handler(request: Request, exc: APIError) -> JSONResponse:
     # RFC 7235: a 401 names the scheme the client should use.
-    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-    return _json(exc.body(), exc.status, headers)
+    headers = dict(exc.headers or {})
+    if exc.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return _json(exc.body(), exc.status, headers or None)
 
 
 async def validation_error_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -81,7 +84,7 @@ async def validation_error_handler(request: Request, exc: RequestValidationError
 
 async def http_error_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    code = "not_found" if exc.status_code == 404 else None
+    code = {404: "not_found", 413: "request_too_large"}.get(exc.status_code)
     return _json(ErrorBody.of(str(exc.detail), kind, None, code), exc.status_code)
 
 

@@ -18,8 +18,11 @@ __all__ = ["Event", "Generation", "collect", "start_generation"]
 
 Event = Delta | Finished | Failed
 
-# How often a non-streaming request looks whether its client is still there.
-_DISCONNECT_POLL_S = 0.5
+# How often a non-streaming request looks whether its client is still there (also while
+# tokens keep arriving: a busy request must notice a gone client as fast as an idle one).
+_DISCONNECT_POLL_S = 0.25
+# Seconds a 429 asks the client to wait before retrying (the Retry-After header).
+RETRY_AFTER_S = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,14 +60,14 @@ def start_generation(engine: Engine, prompts: list[list[int]], budgets: list[int
             requests.append(settings.for_choice(choice).gen_request(ids, budget, sink_for(len(requests))))
     generation = Generation(engine, requests, events, sum(len(p) for p in prompts))
     try:
-        for r in requests:
-            engine.submit(r)
+        engine.submit_all(requests)  # every prompt x choice counts against the queue, atomically
     except QueueFull as e:
-        generation.cancel()
-        raise APIError(429, str(e), code="rate_limit_exceeded", type="rate_limit_error") from e
+        raise APIError(429, str(e), code="rate_limit_exceeded", type="rate_limit_error",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from e
     except EngineStopped as e:
-        generation.cancel()
         raise APIError(503, str(e), code="shutting_down", type="server_error") from e
+    except ValueError as e:  # a setting the engine's arrays cannot hold: this request's fault only
+        raise APIError(400, str(e), code="invalid_value") from e
     return generation
 
 
@@ -74,13 +77,17 @@ async def collect(generation: Generation, request: Request) -> tuple[list[str], 
     texts: list[list[str]] = [[] for _ in generation.requests]
     results: list[Finished | None] = [None] * len(generation.requests)
     pending = len(generation.requests)
+    loop = asyncio.get_running_loop()
+    next_check = loop.time() + _DISCONNECT_POLL_S
     try:
         while pending:
+            if loop.time() >= next_check:
+                if await request.is_disconnected():
+                    return None
+                next_check = loop.time() + _DISCONNECT_POLL_S
             try:
                 index, ev = await asyncio.wait_for(generation.events.get(), timeout=_DISCONNECT_POLL_S)
             except TimeoutError:
-                if await request.is_disconnected():
-                    return None
                 continue
             if isinstance(ev, Delta):
                 texts[index].append(ev.text)

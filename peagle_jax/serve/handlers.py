@@ -1,5 +1,7 @@
 """The HTTP routes. Module-level handlers on one router: everything per app (engine, config,
-tokenizer) comes from `ServerContext` through a dependency, so any number of apps can share them."""
+tokenizer) comes from `ServerContext` through a dependency, so any number of apps can share them.
+The API key, the Host check and the body-size limit are enforced before a body is read, by
+`middleware.RequestGate`."""
 
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from peagle_jax.serve.auth import require_api_key
 from peagle_jax.serve.context import ServerContext, get_context
 from peagle_jax.serve.errors import APIError
 from peagle_jax.serve.generation import Generation, collect, start_generation
@@ -36,7 +37,6 @@ __all__ = ["ROUTE_PATHS", "router"]
 
 router = APIRouter()
 Context = Annotated[ServerContext, Depends(get_context)]
-_REQUIRE_KEY = [Depends(require_api_key)]
 
 
 @router.api_route("/health", methods=["GET", "HEAD"])
@@ -53,13 +53,13 @@ async def metrics(ctx: Context) -> Response:
     return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/v1/models", dependencies=_REQUIRE_KEY)
+@router.get("/v1/models")
 async def list_models(ctx: Context) -> ModelList:
     return ModelList(data=[ModelCard(id=ctx.model_name, created=ctx.created, max_model_len=ctx.max_model_len)])
 
 
 # response_model=None: a handler may also return a stream or a bare 499; `responses` documents the JSON.
-@router.post("/v1/completions", dependencies=_REQUIRE_KEY, response_model=None, responses={200: {"model": Completion}})
+@router.post("/v1/completions", response_model=None, responses={200: {"model": Completion}})
 async def completions(req: CompletionRequest, request: Request, ctx: Context) -> Completion | Response:
     check_model_and_options(req, ctx)
     for param in ("echo", "suffix"):
@@ -73,7 +73,7 @@ async def completions(req: CompletionRequest, request: Request, ctx: Context) ->
     return await _respond(generation, request, shapes, req.stream, req.stream_usage)
 
 
-@router.post("/v1/chat/completions", dependencies=_REQUIRE_KEY, response_model=None,
+@router.post("/v1/chat/completions", response_model=None,
              responses={200: {"model": ChatCompletion}})
 async def chat_completions(req: ChatCompletionRequest, request: Request, ctx: Context) -> ChatCompletion | Response:
     check_model_and_options(req, ctx)

@@ -36,10 +36,21 @@ class SamplingRequest(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: Annotated[StrictInt, Field(ge=1, le=16)] = 1
-    # Accepted for compatibility; only the neutral values are supported.
+    # Accepted for compatibility; only the neutral values are supported (see `unsupported`).
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
     logprobs: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    logit_bias: Any = None
+    best_of: Any = None
+    min_tokens: Any = None
+    ignore_eos: Any = None
+    repetition_penalty: Any = None
+    stop_token_ids: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -57,18 +68,42 @@ class SamplingRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def unsupported(self) -> tuple[str, str] | None:
-        """(param, message) for a setting this server does not implement."""
-        for name in ("presence_penalty", "frequency_penalty"):
+        """(param, message) for the first setting this server would otherwise silently ignore.
+
+        OpenAI and vLLM fields the engine does not implement are accepted only with their
+        neutral value, so a client never gets an answer that quietly disregards its request.
+        """
+        for name, neutral in _NEUTRAL_VALUES.items():
             val = getattr(self, name)
-            if val not in (None, 0, 0.0):
-                return name, f"{name} is not supported by this server (use 0)"
-        if self.logprobs not in (None, False, 0):
-            return "logprobs", "logprobs are not supported by this server"
+            if val is not None and not any(val == v and type(val) is type(v) for v in neutral):
+                shown = ", ".join(repr(v) for v in neutral) or "nothing"
+                return name, f"{name} is not supported by this server (accepted: omitted, null or {shown})"
         return None
+
+
+#: Unimplemented request fields and the values that mean "off" (type-exact: True is not 1).
+_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "logprobs": (False, 0),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "logit_bias": ({},),
+    "best_of": (1,),
+    "min_tokens": (0,),
+    "ignore_eos": (False,),
+    "stop_token_ids": ([],),
+}
 
 
 class CompletionRequest(SamplingRequest):
     prompt: StrictStr | list[StrictStr] | list[StrictInt]
+    # OpenAI and vLLM default a completion to 16 tokens; null asks for all the context left.
+    max_tokens: StrictInt | None = Field(16, gt=0)
     echo: StrictBool = False
     suffix: StrictStr | None = None
 
