@@ -149,14 +149,41 @@ def split_keys(key: Keys, num: int) -> Key[Array, " N"] | Key[Array, "N B"]:
     return jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, num))(key), 1, 0)
 
 
+#: `sample_from_probs` walks the vocabulary in blocks of this many tokens.
+SAMPLE_BLOCK = 256
+
+
 def sample_from_probs(key: Keys, probs: Float[Array, "B R V"]) -> Int[Array, "B R"]:
-    """Categorical draw per row. Probs need not be normalised; zero-prob tokens are never drawn."""
-    # log(0) -> -inf explicitly, so the Gumbel-max race can never pick a zero-prob token.
-    logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
-    if key.ndim == 0:
-        return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
-    draw = jax.vmap(lambda k, lp: jax.random.categorical(k, lp, axis=-1))
-    return draw(key, logp).astype(jnp.int32)
+    """Categorical draw per row. Probs need not be normalised; zero-prob tokens are never drawn.
+
+    Inverse CDF with ONE uniform per row, in two levels: find the block of SAMPLE_BLOCK tokens
+    whose cumulative mass crosses u * total, then the token inside it. A Gumbel-max race needs
+    V random numbers and a log per row; on CPU that cost 2-3 ms per row for a 49k vocabulary,
+    this about 0.1 ms (measured in the sampled verify, where it runs K + 1 times per round).
+    Float rounding can put u * total past the last cumulative sum; the draw then falls back to
+    the last token with non-zero probability, never to a zero-probability one.
+    """
+    *lead, v = probs.shape
+    nb = -(-v // SAMPLE_BLOCK)
+    p = jnp.maximum(probs.astype(jnp.float32), 0.0)
+    p = jnp.pad(p, [(0, 0)] * len(lead) + [(0, nb * SAMPLE_BLOCK - v)])
+    blocks = p.reshape(*lead, nb, SAMPLE_BLOCK)
+    block_mass = jnp.sum(blocks, axis=-1)
+    block_cdf = jnp.cumsum(block_mass, axis=-1)
+    u = _uniform(key, tuple(lead))
+    t = (u * block_cdf[..., -1])[..., None]
+    blk = _first_valid_hit(block_cdf > t, block_mass > 0)
+    row = jnp.take_along_axis(blocks, blk[..., None, None], axis=-2)[..., 0, :]
+    before = jnp.take_along_axis(block_cdf - block_mass, blk[..., None], axis=-1)
+    j = _first_valid_hit(before + jnp.cumsum(row, axis=-1) > t, row > 0)
+    return (blk * SAMPLE_BLOCK + j).astype(jnp.int32)
+
+
+def _first_valid_hit(hit: Array, valid: Array) -> Int[Array, "..."]:
+    """Index of the first position that is both hit and valid; the last valid one if none is."""
+    ok = hit & valid
+    last = valid.shape[-1] - 1 - jnp.argmax(valid[..., ::-1], axis=-1)
+    return jnp.where(jnp.any(ok, axis=-1), jnp.argmax(ok, axis=-1), last)
 
 
 def _uniform(key: Keys, shape: tuple[int, ...]) -> Float[Array, "..."]:
