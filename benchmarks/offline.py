@@ -64,8 +64,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="category filter for mtbench (e.g. coding) and copyheavy (rewrite, docs_qa, edit)")
     ap.add_argument("--limit", type=int, default=None, help="first N prompts of each dataset")
     ap.add_argument("--methods", nargs="+", default=["none", "eagle3", "peagle"],
-                    choices=("none", "eagle3", "peagle", "ngram"),
-                    help="ngram: prompt lookup over prompt + output (no head; --prompt-lookup-min/max)")
+                    choices=("none", "eagle3", "peagle", "ngram", "eagle3+ngram", "peagle+ngram"),
+                    help="ngram: prompt lookup over prompt + output (no head; --prompt-lookup-min/max); "
+                         "X+ngram: the lookup's drafts where the context matches, the head's elsewhere")
     ap.add_argument("--prompt-lookup-min", type=int, default=2, help="smallest n-gram of method ngram")
     ap.add_argument("--prompt-lookup-max", type=int, default=4, help="largest n-gram of method ngram")
     ap.add_argument("--ks", nargs="+", type=int, default=[3, 5, 7], help="draft lengths K")
@@ -124,7 +125,7 @@ def _drafters(args, llm) -> tuple[dict[str, Any], dict[str, str], dict[str, str]
         drafters["ngram"] = NgramProposer(args.prompt_lookup_min, args.prompt_lookup_max)
         labels["ngram"] = f"prompt lookup, n = {args.prompt_lookup_min}..{args.prompt_lookup_max}"
     for method, path in (("peagle", args.peagle_head), ("eagle3", args.eagle3_head)):
-        if method not in args.methods:
+        if method not in args.methods and f"{method}+ngram" not in args.methods:
             continue
         if path:
             d = llm.load_head(path)
@@ -138,7 +139,24 @@ def _drafters(args, llm) -> tuple[dict[str, Any], dict[str, str], dict[str, str]
             skipped[method] = (f"no trained {method} head given (--{method}-head DIR); method skipped. "
                                f"Pass --random-heads to run the pipeline with random-weight heads.")
             print(f"NOTE: {skipped[method]}", file=sys.stderr)
+    _add_hybrids(args, drafters, labels)
     return drafters, labels, skipped
+
+
+def _add_hybrids(args, drafters: dict[str, Any], labels: dict[str, str]) -> None:
+    """X+ngram from the loaded head X; heads loaded only for a hybrid are not timed alone."""
+    from peagle_jax.drafters.hybrid import HybridProposer
+    from peagle_jax.drafters.ngram import NgramProposer
+
+    for base in ("peagle", "eagle3"):
+        if base not in drafters:
+            continue
+        if f"{base}+ngram" in args.methods:
+            drafters[f"{base}+ngram"] = HybridProposer(drafters[base], NgramProposer(args.prompt_lookup_min,
+                                                                                     args.prompt_lookup_max))
+            labels[f"{base}+ngram"] = f"{labels[base]} + prompt lookup"
+        if base not in args.methods:
+            del drafters[base], labels[base]
 
 
 def _batches(n: int, b: int) -> list[list[int]]:
@@ -164,7 +182,7 @@ def _first_diff(a: list[int], b: list[int]) -> int:
 def _configs(args, drafters: dict[str, Any]) -> list[tuple[str, int]]:
     """(method, K) pairs to time; ("none", 0) is always first, as the reference for speed-ups and tokens."""
     configs: list[tuple[str, int]] = [("none", 0)] if "none" in args.methods else []
-    for m in ("ngram", "eagle3", "peagle"):
+    for m in ("ngram", "eagle3", "peagle", "eagle3+ngram", "peagle+ngram"):
         if m in drafters:
             configs += [(m, k) for k in args.ks]
     if ("none", 0) not in configs:

@@ -23,8 +23,9 @@ log = logging.getLogger("peagle_jax")
 
 #: Methods `load` accepts: the generation methods plus "auto" (from the head: parallel
 #: drafting -> "peagle", else "eagle3"; no head -> "none"). "ngram" drafts from the context
-#: (prompt lookup) and takes no head.
-LOAD_METHODS = ("auto", "none", "eagle3", "peagle", "ngram")
+#: (prompt lookup) and takes no head; "peagle+ngram" / "eagle3+ngram" pair the head with it.
+LOAD_METHODS = ("auto", "none", "eagle3", "peagle", "ngram", "eagle3+ngram", "peagle+ngram")
+HYBRID_METHODS = ("eagle3+ngram", "peagle+ngram")
 
 
 def chat_ids(tokenizer, messages: Sequence[Mapping[str, str]] | str) -> list[int]:
@@ -47,6 +48,10 @@ def method_for(drafter) -> str:
         return "none"
     if not drafter.uses_features:
         return "ngram"
+    from peagle_jax.drafters.hybrid import HybridProposer
+
+    if isinstance(drafter, HybridProposer):
+        return method_for(drafter.head) + "+ngram"
     return "peagle" if drafter.config.parallel_drafting else "eagle3"
 
 
@@ -73,7 +78,7 @@ def resolve_drafter(model: str | None, drafter: str | None, method: str) -> str 
         return None
     from peagle_jax.checkpoints.default_model import default_drafter_path
 
-    shipped = default_drafter_path("eagle3" if method == "eagle3" else "peagle")
+    shipped = default_drafter_path("eagle3" if method.startswith("eagle3") else "peagle")
     return None if shipped is None else str(shipped)
 
 
@@ -160,12 +165,12 @@ def load(
       for the built-in SmolLM2-135M-Instruct.
     drafter: a head directory (AWS/EAGLE-3 or speculators layout), None / "none", or "auto":
       the shipped head of the default model that matches `method` (none for other models).
-    method: "auto" | "none" | "eagle3" | "peagle" | "ngram" (see LOAD_METHODS).
+    method: "auto" | "none" | "eagle3" | "peagle" | "ngram" | "eagle3+ngram" | "peagle+ngram" (LOAD_METHODS).
     dtype: weights and activations (norms, softmax and logits stay float32).
     mesh: e.g. "model=4" or "data=2,model=4" (None: one device). A multi-host job is joined
       first when the launcher's variables say so (`sharding.maybe_initialize_distributed`).
     attention / kv_cache_dtype / fp8_weights: see `models.options`.
-    prompt_lookup_min / prompt_lookup_max: the n-gram sizes method "ngram" matches (vLLM's names).
+    prompt_lookup_min / prompt_lookup_max: the n-gram sizes the "ngram" methods match (vLLM's names).
 
     Raises FileNotFoundError / ValueError with a message naming the bad setting.
     """
@@ -178,10 +183,10 @@ def load(
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
     head_spec = resolve_drafter(model, drafter, method)
-    if method == "ngram" and not 1 <= prompt_lookup_min <= prompt_lookup_max:
+    if "ngram" in method and not 1 <= prompt_lookup_min <= prompt_lookup_max:
         raise ValueError("prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                          f"{prompt_lookup_min} and {prompt_lookup_max}")
-    if head_spec is None and method in ("eagle3", "peagle"):
+    if head_spec is None and method in ("eagle3", "peagle", *HYBRID_METHODS):
         raise ValueError(f"method {method!r} needs a draft head (drafter=DIR)"
                          + ("" if is_default_model(model) else "; only the default model ships one"))
     maybe_initialize_distributed()
@@ -205,8 +210,13 @@ def load(
         llm.drafter = NgramProposer(prompt_lookup_min, prompt_lookup_max)
     if head_spec is not None:
         llm.drafter = llm.load_head(head_spec)
-        if method == "peagle" and not llm.drafter.can_draft_parallel:
-            raise ValueError(f"method 'peagle' needs a parallel-drafting head; {head_spec} drafts sequentially")
+        if method.startswith("peagle") and not llm.drafter.can_draft_parallel:
+            raise ValueError(f"method {method!r} needs a parallel-drafting head; {head_spec} drafts sequentially")
+        if method in HYBRID_METHODS:
+            from peagle_jax.drafters.hybrid import HybridProposer
+            from peagle_jax.drafters.ngram import NgramProposer
+
+            llm.drafter = HybridProposer(llm.drafter, NgramProposer(prompt_lookup_min, prompt_lookup_max))
     llm.method = method if method != "auto" else method_for(llm.drafter)
     log.info("loaded %s%s in %.1fs (method %s)", model_path.name, f" + {head_spec}" if head_spec else "",
              time.perf_counter() - t0, llm.method)

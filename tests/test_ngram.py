@@ -89,3 +89,60 @@ def test_ngram_refuses_heads_and_feature_drafters(target):
         speculative_generate(target, head, PROMPTS, method="ngram", num_draft_tokens=2, max_new_tokens=4)
     with pytest.raises(ValueError, match="reads target features"):
         speculative_generate(target, NgramProposer(), PROMPTS, method="eagle3", num_draft_tokens=2, max_new_tokens=4)
+
+
+# --------------------------------------------------------------------------- head + prompt lookup
+
+
+@pytest.mark.parametrize("method", ["peagle+ngram", "eagle3+ngram"])
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_greedy_hybrid_is_exactly_plain_decoding(target, reference, method, k):
+    from peagle_jax.drafters import DrafterConfig, create_drafter
+    from peagle_jax.drafters.hybrid import HybridProposer
+
+    cfg = DrafterConfig.for_target(target.config, num_layers=1, parallel_drafting=True, mask_token_id=VOCAB - 1)
+    hybrid = HybridProposer(create_drafter(cfg, seed=2), NgramProposer(1, 3))
+    out = speculative_generate(target, hybrid, PROMPTS, method=method, num_draft_tokens=k, max_new_tokens=32,
+                               eos_token_ids=[EOS])
+    assert out.tokens == [t[:32] for t in reference.tokens]
+    assert out.mean_acceptance_length > 1.0  # the lookup branch drafted the loops a random head cannot
+
+
+def test_hybrid_takes_the_lookup_where_the_context_matches_and_the_head_elsewhere(target):
+    from peagle_jax.drafters import DrafterConfig, create_drafter
+    from peagle_jax.drafters.drafting import DraftSettings, Pending
+    from peagle_jax.drafters.hybrid import HybridProposer
+    from peagle_jax.sampling import SamplingParams
+
+    cfg = DrafterConfig.for_target(target.config, num_layers=1, parallel_drafting=True, mask_token_id=VOCAB - 1)
+    head = create_drafter(cfg, seed=2)
+    hybrid = HybridProposer(head, NgramProposer(2, 2))
+    # Row 0's context ends in "5 6", seen before followed by 7; row 1's context has no repeat.
+    rows = jnp.asarray([[5, 6, 7, 5, 6, 0], [1, 2, 3, 4, 9, 0]], jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(6)[None], (2, 6))
+    feats = jnp.zeros((2, 6, cfg.hidden_size), jnp.float32)
+    cache = hybrid.prefill(rows, feats, pos, 16)
+    pending = Pending(jnp.asarray([[6], [9]]), jnp.zeros((2, 1, cfg.hidden_size)), jnp.asarray([1, 1]),
+                      jnp.asarray([4, 4]))
+    import jax
+
+    settings = DraftSettings(2, True, jax.random.split(jax.random.key(0), 2), SamplingParams.full(2), True, VOCAB,
+                             jnp.zeros((2,), jnp.int32))
+    got = hybrid.propose(cache, pending, settings)
+    head_only = head.propose(cache.head, pending, settings)
+    assert got.tokens[0].tolist() == [7, 5]  # the lookup: what followed "5 6" before, then periodic
+    assert got.tokens[1].tolist() == head_only.tokens[1].tolist()  # no match: the head's drafts
+
+
+def test_hybrid_methods_resolve_through_the_front_door(target):
+    from peagle_jax.api import method_for, resolve_drafter
+    from peagle_jax.drafters import DrafterConfig, create_drafter
+    from peagle_jax.drafters.hybrid import HybridProposer
+
+    for parallel, method in ((True, "peagle+ngram"), (False, "eagle3+ngram")):
+        cfg = DrafterConfig.for_target(target.config, num_layers=1, parallel_drafting=parallel,
+                                       mask_token_id=VOCAB - 1 if parallel else None)
+        assert method_for(HybridProposer(create_drafter(cfg, seed=0), NgramProposer())) == method
+        shipped = resolve_drafter(None, "auto", method)
+        assert shipped is None or shipped.endswith(method.split("+")[0])  # the shipped head of the base method
+    assert method_for(NgramProposer()) == "ngram"

@@ -10,6 +10,7 @@ from flax import nnx
 
 from peagle_jax.drafters import DrafterConfig, create_drafter
 from peagle_jax.drafters.drafting import Proposal
+from peagle_jax.drafters.hybrid import HybridProposer
 from peagle_jax.drafters.ngram import NgramProposer
 from peagle_jax.drafters.reference import ReferenceDrafter
 from peagle_jax.generate import speculative_generate
@@ -154,17 +155,19 @@ def _exact_joint(target, prompt, temperature, top_p):
     return np.stack([p1[a] * probs_after(prompt + [a]) for a in range(SMALL_V)])
 
 
-@pytest.mark.parametrize("method", ["peagle", "eagle3", "ngram"])
+@pytest.mark.parametrize("method", ["peagle", "eagle3", "ngram", "peagle+ngram"])
 def test_sampling_matches_target_distribution(small_target, method):
     prompt, n = [1, 2, 3], 20000
-    if method == "ngram":
-        # A repetitive prompt and 1-grams, so the context drafter proposes in most rounds.
-        prompt, drafter = [1, 2, 3, 1, 2, 3, 1, 2], NgramProposer(1, 3)
-    else:
+    if method != "ngram":
         cfg = DrafterConfig.for_target(small_target.config, num_layers=1, parallel_drafting=True,
                                        mask_token_id=SMALL_V - 1)
         drafter = create_drafter(cfg, seed=4)
         drafter.lm_head.value = drafter.lm_head.value * 30.0  # a confident (and often wrong) drafter
+    if "ngram" in method:
+        # A repetitive prompt and 2-grams: the context drafter proposes in some rounds (and the
+        # hybrid's head in the others).
+        prompt, lookup = [1, 2, 3, 1, 2, 3, 1, 2], NgramProposer(2, 3)
+        drafter = lookup if method == "ngram" else HybridProposer(drafter, lookup)
     exact = _exact_joint(small_target, prompt, 0.8, 0.9)
     out = speculative_generate(small_target, drafter, [prompt] * n, method=method, num_draft_tokens=3,
                                max_new_tokens=2, temperature=0.8, top_p=0.9, seed=11)

@@ -20,9 +20,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", default=None,
                    help="draft head directory (AWS/EAGLE-3 or speculators layout) or 'none'; default: the default "
                         "model's shipped head for --method")
-    p.add_argument("--method", choices=("none", "eagle3", "peagle", "ngram"), default=None,
+    p.add_argument("--method", choices=("none", "eagle3", "peagle", "ngram", "eagle3+ngram", "peagle+ngram"),
+                   default=None,
                    help="default: peagle for a parallel-drafting head, eagle3 for a sequential one, "
-                        "none without a head; ngram drafts by prompt lookup (no head)")
+                        "none without a head; ngram drafts by prompt lookup (no head); X+ngram takes the "
+                        "lookup's drafts where the context matches and the head's elsewhere")
     p.add_argument("--prompt-lookup-min", type=int, default=2, help="smallest n-gram --method ngram matches")
     p.add_argument("--prompt-lookup-max", type=int, default=4, help="largest n-gram --method ngram matches")
     p.add_argument("-k", "--num-draft-tokens", type=int, default=5)

@@ -30,22 +30,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from peagle_jax import sampling
-from peagle_jax.cache import KVCache, TokenHistory
+from peagle_jax.cache import KVCache
 from peagle_jax.drafters.drafting import DraftSettings, Pending, Proposal, Proposer, pad_rows
 from peagle_jax.models.transformer import CausalLM
 from peagle_jax.sampling import SamplingParams
 
-Method = Literal["none", "eagle3", "peagle", "ngram"]
-METHODS = ("none", "eagle3", "peagle", "ngram")
+Method = Literal["none", "eagle3", "peagle", "ngram", "eagle3+ngram", "peagle+ngram"]
+METHODS = ("none", "eagle3", "peagle", "ngram", "eagle3+ngram", "peagle+ngram")
 #: Methods whose drafter reads the target's feature taps (the others skip computing them).
-FEATURE_METHODS = ("eagle3", "peagle")
+FEATURE_METHODS = ("eagle3", "peagle", "eagle3+ngram", "peagle+ngram")
+#: Methods that draft P-EAGLE style: K drafts from one head forward.
+PARALLEL_METHODS = ("peagle", "peagle+ngram")
 
 #: XLA options for every program that runs these steps. Greedy speculative decoding is exact
 #: only if a row gets bitwise the same logits in a 1-row decode step, a K+1-row verify and a
@@ -97,9 +99,9 @@ class SpecConfig:
         """A clear error when `drafter` cannot draft for this method."""
         if self.uses_drafter and drafter is None:
             raise ValueError(f"method {self.method!r} needs a drafter")
-        if self.method == "peagle" and not drafter.can_draft_parallel:
-            raise ValueError("method 'peagle' needs a head built for parallel drafting (P-EAGLE: mask_token_id and "
-                             "mask_hidden); this one drafts sequentially only (EAGLE-3)")
+        if self.method in PARALLEL_METHODS and not drafter.can_draft_parallel:
+            raise ValueError(f"method {self.method!r} needs a head built for parallel drafting (P-EAGLE: "
+                             "mask_token_id and mask_hidden); this one drafts sequentially only (EAGLE-3)")
         if self.uses_drafter and drafter.uses_features != self.uses_features:
             raise ValueError(f"method {self.method!r} needs a drafter that "
                              f"{'reads' if self.uses_features else 'does not read'} target features; "
@@ -110,7 +112,7 @@ class SpecState(NamedTuple):
     """Everything a round needs, per sequence; a pytree carried by `lax.while_loop`."""
 
     target_cache: KVCache  # lengths = n_b
-    drafter_cache: KVCache | TokenHistory | None
+    drafter_cache: Any  # the drafter's own cache pytree: KVCache (heads), TokenHistory (n-gram), ... or None
     last_token: Int[Array, " B"]
     pending_tokens: Int[Array, "B W"]  # W = K + 1
     pending_feats: Float[Array, "B W H"] | None  # drafter-space features (after fc); None for n-gram
@@ -135,7 +137,7 @@ def pending_rows(state: SpecState) -> Pending:
 
 def draft_settings(config: SpecConfig, state: SpecState, key: jax.Array, vocab: int) -> DraftSettings:
     """What the drafter needs from the config and the state to propose this round's drafts."""
-    return DraftSettings(config.num_draft_tokens, config.method == "peagle", key, state.sampling, config.greedy,
+    return DraftSettings(config.num_draft_tokens, config.method in PARALLEL_METHODS, key, state.sampling, config.greedy,
                          vocab, state.out_len)
 
 

@@ -69,7 +69,7 @@ class ServeConfig(BaseModel):
         description=f"draft head directory; unset = {DEFAULT_DRAFTER} for the default model if present; "
         "'none' = no drafter",
     )
-    method: Literal["auto", "none", "eagle3", "peagle", "ngram"] = "auto"
+    method: Literal["auto", "none", "eagle3", "peagle", "ngram", "eagle3+ngram", "peagle+ngram"] = "auto"
     num_draft_tokens: int = Field(5, ge=1, le=32)
     prompt_lookup_min: int = Field(2, ge=1, description="smallest n-gram method 'ngram' matches")
     prompt_lookup_max: int = Field(4, ge=1, description="largest n-gram method 'ngram' matches")
@@ -128,7 +128,7 @@ class ServeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:
-        if self.drafter is not None and self.drafter.lower() == "none" and self.method in ("eagle3", "peagle"):
+        if self.drafter is not None and self.drafter.lower() == "none" and self.method not in ("auto", "none", "ngram"):
             raise ValueError(f"method {self.method!r} needs a drafter (drafter is 'none')")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
@@ -149,7 +149,7 @@ _FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--model",), dict(help="a .gguf file or an HF model directory (default: SmolLM2-135M-Instruct)")),
     (("--served-model-name",), dict(help="model id reported by /v1/models and accepted in requests")),
     (("--drafter",), dict(help=f"draft head directory, or 'none' (default: {DEFAULT_DRAFTER} if present)")),
-    (("--method",), dict(choices=("auto", "none", "eagle3", "peagle", "ngram"))),
+    (("--method",), dict(choices=("auto", "none", "eagle3", "peagle", "ngram", "eagle3+ngram", "peagle+ngram"))),
     (("-k", "--num-draft-tokens"), dict(type=int)),
     (("--prompt-lookup-min",), dict(type=int, help="smallest n-gram --method ngram matches (default 2)")),
     (("--prompt-lookup-max",), dict(type=int, help="largest n-gram --method ngram matches (default 4)")),
