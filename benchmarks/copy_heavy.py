@@ -4,10 +4,12 @@ Summaries, edits of pasted code and answers about a pasted passage copy spans of
 which is where prompt-lookup drafting wins and a trained head cannot. Three kinds, 10 each,
 interleaved, deterministic for a given Python version:
   rewrite   "add type hints and a docstring to this function" (a stdlib function, pasted);
-  docs_qa   "answer from this passage" (a Python language reference topic, `pydoc_data`);
+  docs_qa   "answer from this passage" (the leading paragraphs of a Python language reference
+            topic, `pydoc_data`);
   edit      "rename method X in this class and return the whole class" (a short stdlib class).
 The code comes only from stdlib files in the draft heads' held-out split
-(`peagle_jax.train.data.is_validation`), so no prompt quotes the heads' training text.
+(`peagle_jax.train.data.is_validation`) and the passages only from held-out reference topics
+(`peagle_jax.train.data.pydoc_topics("val")`), so no prompt quotes training text.
 """
 
 from __future__ import annotations
@@ -80,18 +82,19 @@ def _spread(items: list, n: int) -> list:
 
 def load_copy_heavy() -> list[dict[str, Any]]:
     """The prompts as {id, text, kind: "chat", category}, the three kinds interleaved."""
-    import pydoc_data.topics
+    from peagle_jax.train.data import first_paragraphs, pydoc_topics
 
     sources = _held_out_sources()
     rewrite = [dict(id=f"rewrite/{fid}", category="rewrite", text=(
         "Here is a Python function:\n\n```python\n" + src + "\n```\n\n"
         "Rewrite it with type hints and a docstring. Keep the logic exactly the same and reply with the "
         "full function in a code block.")) for fid, src in _spread(_functions(sources), PER_KIND)]
-    topics = sorted(k for k, v in pydoc_data.topics.topics.items() if 400 <= len(v) <= MAX_CHARS)
+    passages = [(k, first_paragraphs(v, MAX_CHARS)) for k, v in pydoc_topics("val")]
+    passages = [(k, v) for k, v in passages if len(v) >= 400]
     docs_qa = [dict(id=f"docs_qa/{k}", category="docs_qa", text=(
-        "Read this passage from the Python language reference:\n\n" + pydoc_data.topics.topics[k].strip()
+        "Read this passage from the Python language reference:\n\n" + v
         + f"\n\nUsing the passage, explain what it says about `{k}`. Quote the relevant sentences."))
-        for k in _spread(topics, PER_KIND)]
+        for k, v in _spread(passages, PER_KIND)]
     edit = [dict(id=f"edit/{cid}", category="edit", text=(
         f"Here is a class from `{cid.split(':')[0]}`:\n\n```python\n{src}\n```\n\n"
         f"Rename the method `{name}` to `{name}_v2` everywhere in this code and reply with the whole "

@@ -42,6 +42,30 @@ def is_validation(name: str, val_percent: float) -> bool:
     return (zlib.crc32(name.encode()) % 10000) < val_percent * 100
 
 
+#: Share of the Python language reference topics held out of training data; the copy-heavy
+#: benchmark (benchmarks/copy_heavy.py) quotes only held-out topics.
+TOPIC_VAL_PERCENT = 30.0
+
+
+def pydoc_topics(split: str) -> list[tuple[str, str]]:
+    """(name, text) of the language reference topics shipped with every CPython (`pydoc_data`),
+    sorted, in the "train" or "val" split."""
+    import pydoc_data.topics
+
+    return [(k, v) for k, v in sorted(pydoc_data.topics.topics.items())
+            if is_validation(f"pydoc/{k}", TOPIC_VAL_PERCENT) == (split == "val")]
+
+
+def first_paragraphs(text: str, max_chars: int) -> str:
+    """The leading paragraphs of `text` that fit in `max_chars` (at least the first one, cut)."""
+    out = ""
+    for para in text.strip().split("\n\n"):
+        if out and len(out) + 2 + len(para) > max_chars:
+            break
+        out = f"{out}\n\n{para}" if out else para
+    return out[:max_chars]
+
+
 def stdlib_files() -> list[tuple[str, Path]]:
     """(relative path, path) of every stdlib .py file, sorted, without site-packages."""
     root = Path(sysconfig.get_paths()["stdlib"])
