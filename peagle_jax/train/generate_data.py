@@ -62,15 +62,16 @@ def user_turn_prefix(tokenizer) -> str:
     return rendered[: rendered.index(marker)]
 
 
-def magpie_prompts(llm, out: Path, count: int, *, batch: int, seed: int = 0, log: Callable = print) -> list[Prompt]:
+def magpie_prompts(llm, out: Path, count: int, *, batch: int, seed: int = 0, max_new_tokens: int = 96,
+                   log: Callable = print) -> list[Prompt]:
     """`count` user turns the target writes from its own chat template (Magpie), resumable."""
     done = _resume(out)
     seen = {r["text"] for r in done}
     prefix = llm.encode(user_turn_prefix(llm.tokenizer))
     attempt = len(done) // batch
     while len(seen) < count and attempt < 4 * count // batch + 8:
-        res = llm.generate([prefix] * batch, temperature=1.0, top_p=0.95, max_new_tokens=96, seed=seed + attempt,
-                           method="none")
+        res = llm.generate([prefix] * batch, temperature=1.0, top_p=0.95, max_new_tokens=max_new_tokens,
+                           seed=seed + attempt, method="none")
         attempt += 1
         fresh = []
         for toks, reason in zip(res.tokens, res.finish_reasons, strict=True):
@@ -113,7 +114,7 @@ def generate_answers(llm, prompts: Sequence[Prompt], out: Path, *, target_tokens
     return summarize(_resume(out))
 
 
-def _run(llm, jobs, out: Path, tokens: int, target_tokens: float, batch: int, max_new_tokens: int,
+def _run(llm, jobs, out: Path, tokens: int, target_tokens: int | float, batch: int, max_new_tokens: int,
          log: Callable) -> int:
     """Answer `jobs` [(prompt, turn, messages)] in length-sorted batches; returns the token total."""
     for w in range(0, len(jobs), batch * _WINDOW):
