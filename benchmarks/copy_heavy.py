@@ -22,30 +22,18 @@ PER_KIND = 10
 MAX_CHARS = 1400  # keeps every prompt under 512 tokens with the chat template
 
 
-def _held_out_sources() -> list[tuple[str, str]]:
-    """(relative path, source) of stdlib files held out from head training, test suites skipped."""
-    from peagle_jax.train.data import is_test_file, is_validation, stdlib_files
+def _held_out_modules():
+    """(relative path, parsed module, source lines) of stdlib files held out from head training,
+    test suites skipped."""
+    from peagle_jax.train.data import is_test_file, stdlib_modules
 
-    out = []
-    for rel, path in stdlib_files():
-        if not is_validation(rel, 2.0) or is_test_file(rel):
-            continue
-        try:
-            out.append((rel, path.read_text(encoding="utf-8")))
-        except (UnicodeDecodeError, OSError):
-            continue
-    return out
+    return stdlib_modules("val", 2.0, is_test_file)
 
 
-def _functions(sources: list[tuple[str, str]]) -> list[tuple[str, str]]:
+def _functions() -> list[tuple[str, str]]:
     """(id, source) of public top-level functions of 6-40 lines."""
     found = []
-    for rel, src in sources:
-        try:
-            tree = ast.parse(src)
-        except (SyntaxError, ValueError):
-            continue
-        lines = src.splitlines()
+    for rel, tree, lines in _held_out_modules():
         for node in tree.body:
             if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
                 body = "\n".join(lines[node.lineno - 1 : node.end_lineno])
@@ -54,15 +42,10 @@ def _functions(sources: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return found
 
 
-def _classes(sources: list[tuple[str, str]]) -> list[tuple[str, str, str]]:
+def _classes() -> list[tuple[str, str, str]]:
     """(id, source, a method name) of top-level classes short enough to paste whole."""
     found = []
-    for rel, src in sources:
-        try:
-            tree = ast.parse(src)
-        except (SyntaxError, ValueError):
-            continue
-        lines = src.splitlines()
+    for rel, tree, lines in _held_out_modules():
         for node in tree.body:
             methods = [n.name for n in node.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("__")] \
                 if isinstance(node, ast.ClassDef) else []
@@ -84,11 +67,10 @@ def load_copy_heavy() -> list[dict[str, Any]]:
     """The prompts as {id, text, kind: "chat", category}, the three kinds interleaved."""
     from peagle_jax.train.data import first_paragraphs, pydoc_topics
 
-    sources = _held_out_sources()
     rewrite = [dict(id=f"rewrite/{fid}", category="rewrite", text=(
         "Here is a Python function:\n\n```python\n" + src + "\n```\n\n"
         "Rewrite it with type hints and a docstring. Keep the logic exactly the same and reply with the "
-        "full function in a code block.")) for fid, src in _spread(_functions(sources), PER_KIND)]
+        "full function in a code block.")) for fid, src in _spread(_functions(), PER_KIND)]
     passages = [(k, first_paragraphs(v, MAX_CHARS)) for k, v in pydoc_topics("val")]
     passages = [(k, v) for k, v in passages if len(v) >= 400]
     docs_qa = [dict(id=f"docs_qa/{k}", category="docs_qa", text=(
@@ -99,7 +81,7 @@ def load_copy_heavy() -> list[dict[str, Any]]:
         f"Here is a class from `{cid.split(':')[0]}`:\n\n```python\n{src}\n```\n\n"
         f"Rename the method `{name}` to `{name}_v2` everywhere in this code and reply with the whole "
         "updated class in a code block."))
-        for cid, src, name in _spread(_classes(sources), PER_KIND)]
+        for cid, src, name in _spread(_classes(), PER_KIND)]
     items = []
     for i in range(PER_KIND):
         for group in (rewrite, docs_qa, edit):

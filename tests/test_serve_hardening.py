@@ -33,10 +33,10 @@ def _app(models, **settings):
 
 
 def _metric(url: str, name: str) -> float:
+    """A sample's value (name with its labels); 0 while a labelled counter has no sample yet."""
     for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            if line.split(" ")[0] == name or line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
+        if line.split(" ")[0] == name:
+            return float(line.rsplit(" ", 1)[1])
     return 0.0
 
 

@@ -47,10 +47,6 @@ class HybridProposer(nnx.Module):
     def can_draft_parallel(self) -> bool:
         return self.head.can_draft_parallel
 
-    @property
-    def config(self):
-        return self.head.config
-
     def project(self, aux: Float[Array, "B T A"]) -> Float[Array, "B T H"]:
         return self.head.project(aux)
 

@@ -20,7 +20,7 @@ import json
 import os
 import sysconfig
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,21 +178,26 @@ def chat_docs(tokenizer, path: str, *, split: str, val_percent: float, max_docs:
 # --------------------------------------------------------------------------- self-distillation
 
 
-def stdlib_function_prompts(*, split: str, val_percent: float, limit: int | None) -> list[tuple[str, str]]:
-    """(name, prompt) pairs: HumanEval-style 'complete this function' from stdlib functions
-    with a docstring (signature + docstring, body removed)."""
-    out = []
+def stdlib_modules(split: str, val_percent: float, skip: Callable[[str], bool]) -> Iterator[tuple[str, ast.Module,
+                                                                                                 list[str]]]:
+    """(relative path, parsed module, source lines) of the stdlib files in a split, sorted, except
+    those `skip` names; unreadable or unparsable files are left out."""
     for rel, path in stdlib_files():
-        if is_validation(rel, val_percent) != (split == "val"):
-            continue
-        if "/test" in "/" + rel or rel.startswith("test"):
+        if is_validation(rel, val_percent) != (split == "val") or skip(rel):
             continue
         try:
             src = path.read_text(encoding="utf-8")
             tree = ast.parse(src)
         except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
             continue
-        lines = src.splitlines()
+        yield rel, tree, src.splitlines()
+
+
+def stdlib_function_prompts(*, split: str, val_percent: float, limit: int | None) -> list[tuple[str, str]]:
+    """(name, prompt) pairs: HumanEval-style 'complete this function' from stdlib functions
+    with a docstring (signature + docstring, body removed)."""
+    out = []
+    for rel, tree, lines in stdlib_modules(split, val_percent, lambda r: "/test" in "/" + r or r.startswith("test")):
         for node in tree.body:
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
                 continue

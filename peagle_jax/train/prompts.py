@@ -30,7 +30,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from peagle_jax.train.data import first_paragraphs, is_test_file, is_validation, pydoc_topics, stdlib_files
+from peagle_jax.train.data import first_paragraphs, is_test_file, is_validation, pydoc_topics, stdlib_modules
 
 __all__ = ["DOMAINS", "FOLLOW_UPS", "Prompt", "build_prompts"]
 
@@ -58,15 +58,7 @@ class Prompt:
 
 def _functions(split: str) -> Iterator[tuple[str, str, str]]:
     """(id, source, docstring) of public top-level stdlib functions with a docstring, 5-60 lines."""
-    for rel, path in stdlib_files():
-        if is_validation(rel, 2.0) != (split == "val") or is_test_file(rel):
-            continue
-        try:
-            src = path.read_text(encoding="utf-8")
-            tree = ast.parse(src)
-        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
-            continue
-        lines = src.splitlines()
+    for rel, tree, lines in stdlib_modules(split, 2.0, is_test_file):
         for node in tree.body:
             if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
                 doc = ast.get_docstring(node)
