@@ -103,3 +103,48 @@ def test_generate_cli_with_the_default_model_name(capsys):
     err = capsys.readouterr().err
     assert rc == 0
     assert "using the shipped draft head smollm2-135m-peagle" in err and "[peagle]" in err
+
+
+@pytest.mark.parametrize("method", sorted(DEFAULT_HEADS))
+def test_shipped_heads_carry_their_lm_head_and_match_their_manifest(method):
+    # vLLM substitutes the target's full lm_head when a head has none, and then accepts no drafts.
+    import json
+
+    import numpy as np
+    from safetensors import safe_open
+
+    from peagle_jax.checkpoints import load_target
+    from peagle_jax.checkpoints.default_model import default_drafter_path, default_model_path
+    from peagle_jax.train.manifest import sha256_file
+
+    head = default_drafter_path(method)
+    with safe_open(head / "model.safetensors", "np") as f:
+        assert f.get_slice("lm_head.weight").get_dtype() == "BF16"
+        draft_ids = np.arange(f.get_slice("lm_head.weight").get_shape()[0]) + f.get_tensor("d2t")
+    with safe_open(head / "model.safetensors", "flax") as f:
+        lm_head = np.asarray(f.get_tensor("lm_head.weight"), np.float32)
+    target = load_target(default_model_path(), dtype="bfloat16")
+    expected = np.asarray(target.lm_head_weight(), np.float32)[:, draft_ids].T
+    np.testing.assert_array_equal(lm_head, expected)
+    files = json.loads((head / "manifest.json").read_text())["files"]
+    assert {name: sha256_file(head / name) for name in files} == {n: v["sha256"] for n, v in files.items()}
+
+
+def test_reexport_of_a_shipped_head_is_bit_identical(tmp_path):
+    # `export --head` rewrote the shipped heads with their lm_head; doing it again changes nothing.
+    import numpy as np
+    from safetensors import safe_open
+
+    from peagle_jax.checkpoints.default_model import default_drafter_path
+    from peagle_jax.train.export import main as export_main
+
+    head = default_drafter_path("eagle3")
+    export_main(["--head", str(head), "--out", str(tmp_path / "again")])
+    with safe_open(head / "model.safetensors", "flax") as a, safe_open(tmp_path / "again" / "model.safetensors",
+                                                                         "flax") as b:
+        assert set(a.keys()) == set(b.keys())
+        for k in a.keys():
+            np.testing.assert_array_equal(np.asarray(a.get_tensor(k)), np.asarray(b.get_tensor(k)), err_msg=k)
+    assert (head / "config.json").read_text() == (tmp_path / "again" / "config.json").read_text()
+    with pytest.raises(SystemExit):
+        export_main(["--head", str(head), "--out", str(head)])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from safetensors import safe_open
 
 from peagle_jax.checkpoints.drafter_io import load_drafter
 from peagle_jax.generate import speculative_generate
@@ -42,9 +43,14 @@ def test_train_end_to_end(tmp_path, method):
         res = speculative_generate(tr.target, d, prompts, method=method, num_draft_tokens=3, max_new_tokens=40)
         al[name] = res.mean_acceptance_length
     assert al["trained"] > al["untrained"] + 0.3, al
-    # the exported head (lm_head / frozen embedding left out) reloads with the target's tensors
+    # the exported head (frozen embedding left out) reloads with the target's tensors; it carries
+    # the draft-vocabulary lm_head (vLLM would substitute the full target lm_head without it)
     paths = export(cfg.run_dir, tmp_path / "export", layout="both", dtype="float32")
     for p in paths:
+        with safe_open(p / "model.safetensors", "np") as f:
+            head = f.get_tensor("lm_head.weight")
+            draft_ids = np.arange(head.shape[0]) + f.get_tensor("d2t")
+        np.testing.assert_array_equal(head, np.asarray(tr.target.lm_head_weight(), np.float32)[:, draft_ids].T)
         back = load_drafter(p, target=tr.target)
         res = speculative_generate(tr.target, back, prompts, method=method, num_draft_tokens=3, max_new_tokens=40)
         assert abs(res.mean_acceptance_length - al["trained"]) < 1e-6

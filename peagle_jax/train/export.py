@@ -2,16 +2,22 @@
 
     python -m peagle_jax.train.export --run_dir /work/runs/peagle_smollm2 --out /work/runs/peagle_smollm2/export \
         [--layout both|aws|speculators] [--dtype bfloat16|float32] [--step N]
+    python -m peagle_jax.train.export --head OLD_HEAD_DIR --out NEW_DIR [--model default] [--layout aws]
+
+The second form rewrites an existing head (either layout) under this policy, e.g. a head
+exported before the lm_head was shipped; its weights are unchanged.
 
 Size policy (SmolLM2-135M: H=576, V=49152):
-* `lm_head` is never shipped: it is frozen during training and equal to the target's lm_head
-  restricted to the draft vocabulary, so `load_drafter(path, target=...)` (and vLLM's
-  `_maybe_share_lm_head`) rebuild it exactly from the target and `d2t`.
+* `lm_head` (the draft-vocabulary rows, [Vd, H]) is always shipped, although it is frozen
+  during training and our `load_drafter(path, target=...)` could rebuild it from the target and
+  `d2t`: vLLM, finding no `lm_head.weight`, substitutes the target's full [V, H] lm_head, whose
+  logits index the target vocabulary while `d2t` expects draft ids, and then accepts nothing.
+  It costs Vd * H * 2 bytes in bf16 (9.4 MB for SmolLM2 with an 8k draft vocabulary).
 * `embed_tokens` is shipped only when it was trained (`drafter.train_embed` = mask_row / all).
   The default recipe freezes the whole embedding, including the mask token's row, and lets
   the learned `mask_hidden` (through fc) carry the placeholder signal; the head then omits
   the table (the loader shares the target's, which is exactly what training used) and a 1-layer
-  SmolLM2 head is about 10 MB in bf16. A trained mask row forces the full [V, H] table into the
+  SmolLM2 head is about 20 MB in bf16. A trained mask row forces the full [V, H] table into the
   file (57 MB in bf16 for SmolLM2), because neither layout has a slot for one row.
 """
 
@@ -25,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import orbax.checkpoint as ocp
 import yaml
+from safetensors import safe_open
 
 from peagle_jax.checkpoints.drafter_io import save_drafter
 from peagle_jax.train.config import TrainConfig
@@ -62,22 +69,56 @@ def export(run_dir, out, *, layout="both", dtype="bfloat16", step=None) -> list[
             if not include_embed:  # the frozen table equals the target's: sharing it is exact
                 warnings.filterwarnings("ignore", message="saving a P-EAGLE head without embed_tokens")
             save_drafter(drafter, dest, layout=lay, target_config=target.config, include_embed_tokens=include_embed,
-                         include_lm_head=False, dtype=dtype)
+                         include_lm_head=True, dtype=dtype)
         size = sum(f.stat().st_size for f in dest.iterdir())
         print(json.dumps({"layout": lay, "path": str(dest), "step": step, "bytes": size}))
         paths.append(dest)
     return paths
 
 
+def reexport(head, out, *, model=None, layout="aws", dtype="bfloat16") -> list[Path]:
+    """Rewrite the head directory `head` (AWS or speculators layout) into `out` with the lm_head
+    included; tensors the head left out (lm_head, a frozen embedding) come from the target."""
+    from peagle_jax.checkpoints import load_target
+    from peagle_jax.checkpoints.default_model import resolve_model_path
+    from peagle_jax.checkpoints.drafter_io import load_drafter
+
+    head = Path(head)
+    target = load_target(resolve_model_path(model), dtype="float32")
+    drafter = load_drafter(head, target=target)
+    with safe_open(head / "model.safetensors", "np") as f:
+        include_embed = "embed_tokens.weight" in f.keys()
+    paths = []
+    for lay in (["aws", "speculators"] if layout == "both" else [layout]):
+        dest = Path(out) / lay if layout == "both" else Path(out)
+        with warnings.catch_warnings():
+            if not include_embed:  # the source head shared the target's table already
+                warnings.filterwarnings("ignore", message="saving a P-EAGLE head without embed_tokens")
+            save_drafter(drafter, dest, layout=lay, target_config=target.config, include_embed_tokens=include_embed,
+                         include_lm_head=True, dtype=dtype)
+        print(json.dumps({"layout": lay, "path": str(dest), "bytes": sum(f.stat().st_size for f in dest.iterdir())}))
+        paths.append(dest)
+    return paths
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m peagle_jax.train.export")
-    p.add_argument("--run_dir", required=True)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run_dir", help="a training run directory (its latest or --step checkpoint)")
+    src.add_argument("--head", help="an exported head directory to rewrite under the current policy")
     p.add_argument("--out", required=True)
-    p.add_argument("--layout", default="both", choices=["both", "aws", "speculators"])
+    p.add_argument("--layout", default=None, choices=["both", "aws", "speculators"],
+                   help="default: both for --run_dir, aws for --head")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--step", type=int, default=None)
+    p.add_argument("--model", default=None, help="--head only: the target (default: the built-in model)")
     a = p.parse_args(argv)
-    export(a.run_dir, a.out, layout=a.layout, dtype=a.dtype, step=a.step)
+    if a.head is not None:
+        if Path(a.out).resolve() == Path(a.head).resolve():
+            p.error("--out must differ from --head (write elsewhere, then replace)")
+        reexport(a.head, a.out, model=a.model, layout=a.layout or "aws", dtype=a.dtype)
+    else:
+        export(a.run_dir, a.out, layout=a.layout or "both", dtype=a.dtype, step=a.step)
 
 
 if __name__ == "__main__":
