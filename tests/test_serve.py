@@ -116,6 +116,12 @@ def test_greedy_completion_and_chat_equal_speculative_generate(models, client):
     assert r.choices[0].finish_reason == out.finish_reasons[0]
     assert r.usage.prompt_tokens == len(tok.encode(prompt))
     assert r.usage.completion_tokens == len(out.tokens[0])
+    # per-request speculation statistics, through the official client (an extension field)
+    spec = r.usage.model_extra["speculation"]
+    assert spec["method"] == "peagle" and spec["num_draft_tokens"] == K
+    assert spec["target_forwards"] == int(out.rounds[0])
+    assert spec["accepted_tokens"] == int(out.accepted_per_sequence[0].sum())
+    assert spec["acceptance_length"] == pytest.approx(1 + spec["accepted_tokens"] / spec["target_forwards"], abs=1e-4)
 
     msg = "Write a haiku about the sea."
     ref, out = _reference(models, [_chat_ids(tok, msg)], 20)
@@ -133,6 +139,7 @@ def test_streaming_equals_non_streaming(client):
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == full.choices[0].text
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.model_extra["speculation"] == full.usage.model_extra["speculation"]
     reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert reasons == [full.choices[0].finish_reason]
     # No delta ever carries half a character (random models emit plenty of multi-byte tokens).

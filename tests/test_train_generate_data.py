@@ -79,3 +79,24 @@ def test_magpie_starts_from_the_user_turn_and_resumes(llm, tmp_path):
     assert all(15 <= len(p.text) <= 400 and p.domain == "magpie" for p in got)
     again = magpie_prompts(llm, out, len(got), batch=2, max_new_tokens=16, log=lambda *_: None)
     assert [p.id for p in again] == [p.id for p in got]
+
+
+def test_generated_answers_feed_training_documents(llm, tmp_path):
+    from peagle_jax.train.config import load_config
+    from peagle_jax.train.features import load_documents
+
+    prompts = [Prompt(f"g/{i}", "math", f"What is {i} times two?") for i in range(4)]
+    out = tmp_path / "answers_train.jsonl"
+    generate_answers(llm, prompts, out, target_tokens=10**6, batch=2, max_new_tokens=6)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    out.write_text(out.read_text() + '{"name": "g/9", "pro')  # a writer still running: partial last line
+    cfg = load_config(None, {"run_dir": str(tmp_path / "run"), "data": {
+        "source": "generated", "generated_dir": str(tmp_path), "seq_len": 64, "max_doc_tokens": 128}})
+    docs = load_documents(cfg, "train", llm.target, llm.tokenizer, llm.eos_ids)
+    assert sorted(d.name for d in docs) == sorted(r["name"] + "#0" for r in records)  # one chunk each
+    for d in docs:  # the loss falls on the answer tokens only
+        r = next(r for r in records if r["name"] + "#0" == d.name)
+        assert d.tokens.tolist() == r["prompt"] + r["response"]
+        assert d.loss_mask.tolist() == [0] * len(r["prompt"]) + [1] * len(r["response"])
+    with pytest.raises(FileNotFoundError, match="generate_data --out .* --split val"):
+        load_documents(cfg, "val", llm.target, llm.tokenizer, llm.eos_ids)

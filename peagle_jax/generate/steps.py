@@ -382,3 +382,21 @@ def insert_sequences(state: SpecState, new: SpecState, slots: Int[Array, " n"]) 
 def finish_sequences(state: SpecState, mask: Bool[Array, " B"]) -> SpecState:
     """Mark rows finished (frozen by `spec_round`): how a server frees or empties slots."""
     return state._replace(done=state.done | mask)
+
+
+def take_sequences(state: SpecState, rows: Int[Array, " m"]) -> SpecState:
+    """The batch made of rows `rows` of `state`, in that order (the shared fields kept).
+
+    How a server compacts its live sequences into a smaller batch: every per-sequence array
+    moves with its row (KV caches, pending rows, output, counters, sampling settings, PRNG
+    key), so a sequence continues exactly as it would have in its old slot.
+    """
+    rows = jnp.asarray(rows, jnp.int32)
+    fields = {}
+    for name in SpecState._fields:
+        old = getattr(state, name)
+        if name in _SHARED_FIELDS or old is None:
+            fields[name] = old
+        else:
+            fields[name] = jax.tree.map(lambda a: jnp.take(a, rows, axis=0), old)
+    return SpecState(**fields)

@@ -1,14 +1,20 @@
-"""Continuous-batching engine: B slots, one jitted speculative round per step.
+"""Continuous-batching engine: up to B sequences, one jitted speculative round per step.
 
-The batch state is one `SpecState` with B rows and a fixed cache capacity
-(max_model_len + 2K + 2). Each engine step is:
+The batch state is one `SpecState` with a fixed cache capacity (max_model_len + 2K + 2) and
+R rows, R the smallest *batch bucket* (powers of two up to B, and B) that holds the live
+sequences: a round computes R rows, not B, so idle capacity costs nothing. Each engine step is:
 
   1. cancellations / stop-string hits -> rows marked done (jitted `finish_sequences`);
-  2. admission: waiting requests get free slots; they are prefilled together (jitted `prefill`,
-     prompt length bucketed to a power of two, batch padded to a power of two) and written into
-     their slots (jitted `insert_sequences`: every per-sequence array, both KV caches);
-  3. one speculative round over the whole batch (jitted `spec_round`, one compilation per
-     greedy flag); finished and empty rows are `done` and stay frozen.
+  2. admission: waiting requests get free rows, the batch growing to a larger bucket first if
+     needed (the rows are copied into a larger empty state: `insert_sequences`); they are
+     prefilled together (jitted `prefill`, prompt length bucketed to a power of two, batch
+     padded to a power of two) and written into their rows (`insert_sequences`: every
+     per-sequence array, both KV caches);
+  3. one speculative round over the R rows (jitted `spec_round`, one compilation per bucket and
+     greedy flag); finished and empty rows are `done` and stay frozen;
+  4. once the live sequences have fit a smaller bucket for `shrink_after` rounds (at once when
+     none is left), they are compacted into it (`take_sequences`: each sequence keeps its KV,
+     pending rows and PRNG key, so its output does not change).
 
 The loop runs in its own thread. Requests carry a `sink` callback that receives `Delta`,
 `Finished` and `Failed` events from that thread (the HTTP layer forwards them to asyncio with
@@ -42,6 +48,7 @@ from peagle_jax.generate.steps import (
     prefill,
     spec_round,
     step_jit,
+    take_sequences,
 )
 from peagle_jax.sampling import SamplingParams
 from peagle_jax.serve.detokenize import IncrementalDetokenizer, StopStrings
@@ -67,6 +74,8 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     text: str = ""  # any last text released at the end (already included in no Delta)
+    accepted_tokens: int = 0  # draft tokens the target accepted, over all rounds
+    target_forwards: int = 0  # speculative rounds (target forwards) after the prefill
 
 
 @dataclasses.dataclass
@@ -104,6 +113,8 @@ class GenRequest:
     slot: int | None = None
     first_token_time: float | None = None
     completion_tokens: int = 0
+    accepted_tokens: int = 0
+    target_forwards: int = 0
     detok: IncrementalDetokenizer | None = None
     stopper: StopStrings | None = None
     finished: bool = False
@@ -146,11 +157,21 @@ def _finish_jit(state, mask):
     return finish_sequences(state, mask)
 
 
+@jax.jit  # no donation: the result has another shape, so the old buffers could not be reused
+def _take_jit(state, rows):
+    return take_sequences(state, rows)
+
+
 def _pow2(n: int) -> int:
     p = 1
     while p < n:
         p *= 2
     return p
+
+
+def batch_buckets(max_batch_size: int) -> tuple[int, ...]:
+    """The batch sizes a round may run at: powers of two below `max_batch_size`, and it."""
+    return tuple(sorted({min(2**i, max_batch_size) for i in range(max_batch_size.bit_length() + 1)}))
 
 
 # --------------------------------------------------------------------------- engine
@@ -175,6 +196,7 @@ class Engine:
         min_prompt_bucket: int = 16,
         seed: int = 0,
         metrics: Metrics | None = None,
+        shrink_after: int = 8,
     ):
         k = num_draft_tokens if method != "none" else 0
         # Greedy is chosen per round (all rows greedy or not); the rest is fixed per engine.
@@ -186,6 +208,9 @@ class Engine:
         self.method = method
         self.num_draft_tokens = k
         self.max_batch_size = max_batch_size
+        self.buckets = batch_buckets(max_batch_size)
+        self.shrink_after = shrink_after  # rounds the live sequences must fit a smaller bucket first
+        self._small_rounds = 0
         self.max_model_len = max_model_len
         self.max_queue_size = max_queue_size
         self.max_prefill_batch = max(1, min(max_prefill_batch, max_batch_size))
@@ -203,7 +228,8 @@ class Engine:
         self._key = jax.random.key(seed)
         self._seed_rng = np.random.default_rng(seed)  # seeds for requests that give none
         self._state: SpecState | None = None
-        self._slots: list[GenRequest | None] = [None] * max_batch_size
+        self._state_shapes: dict[int, Any] = {}  # batch rows -> SpecState shapes
+        self._slots: list[GenRequest | None] = [None]  # one per state row; len = current bucket
         self._waiting: deque[GenRequest] = deque()
         self._cv = threading.Condition()
         self._end_lock = threading.Lock()
@@ -215,7 +241,7 @@ class Engine:
     # ------------------------------------------------------------------ public API
 
     def start(self, warmup: bool = True) -> None:
-        self._state = self._empty_state()
+        self._state = self._empty_state(self.buckets[0])
         if warmup:
             t0 = time.perf_counter()
             self._warmup()
@@ -279,7 +305,10 @@ class Engine:
             self._cv.notify()
 
     def num_free_slots(self) -> int:
-        return sum(r is None for r in self._slots)
+        return self.max_batch_size - self._num_active()
+
+    def _num_active(self) -> int:
+        return sum(r is not None for r in self._slots)
 
     def stats(self) -> dict[str, int]:
         with self._cv:
@@ -287,6 +316,7 @@ class Engine:
                 "active": self.max_batch_size - self.num_free_slots(),
                 "waiting": len(self._waiting),
                 "slots": self.max_batch_size,
+                "rows": len(self._slots),
             }
 
     def shutdown(self, drain_timeout: float = 0.0) -> None:
@@ -315,7 +345,7 @@ class Engine:
         for r in list(self._waiting) + [r for r in self._slots if r is not None]:
             self._finish(r, "abort")
         self._waiting.clear()
-        self._slots = [None] * self.max_batch_size
+        self._slots = [None] * len(self._slots)
 
     # ------------------------------------------------------------------ state
 
@@ -336,12 +366,14 @@ class Engine:
         )
         return jax.device_get(out)
 
-    def _empty_state(self) -> SpecState:
-        b, t = self.max_batch_size, self.min_prompt_bucket
-        shapes = self._prefill(
-            jnp.zeros((b, t), jnp.int32), jnp.ones((b,), jnp.int32), jnp.ones((b,), jnp.int32),
-            SamplingParams.full(b), jax.random.split(self._key, b), False, shapes_only=True,
-        )
+    def _empty_state(self, b: int) -> SpecState:
+        t = self.min_prompt_bucket
+        if b not in self._state_shapes:
+            self._state_shapes[b] = self._prefill(
+                jnp.zeros((b, t), jnp.int32), jnp.ones((b,), jnp.int32), jnp.ones((b,), jnp.int32),
+                SamplingParams.full(b), jax.random.split(self._key, b), False, shapes_only=True,
+            )
+        shapes = self._state_shapes[b]
 
         # Fresh buffers throughout: the batch state is donated to every jitted step, so it must
         # not share arrays with anything the engine keeps (eos ids, the base key).
@@ -356,16 +388,75 @@ class Engine:
         return state._replace(done=jnp.ones((b,), bool), eos_ids=jnp.array(self._eos, copy=True), key=key)
 
     def _warmup(self) -> None:
-        """Compile the common shapes: a 1-row prefill, the insert, both round variants."""
-        for greedy in (True, False):
-            sp = SamplingParams.full(1, 0.0 if greedy else 1.0)
-            new = self._prefill(jnp.zeros((1, self.min_prompt_bucket), jnp.int32), jnp.ones((1,), jnp.int32),
-                                jnp.full((1,), 2, jnp.int32), sp, jax.random.split(self._key, 1), False)
-            self._state = _insert_jit(self._state, new, jnp.zeros((1,), jnp.int32))
-            self._round(greedy)
-            self._state = _finish_jit(self._state, jnp.ones((self.max_batch_size,), bool))
-        jax.block_until_ready(self._state)
-        self._state = self._empty_state()
+        """Compile what a request can meet: a 1-row prefill and, at every batch bucket, the
+        insert, both round variants (greedy and sampled), the finish and the moves to the next
+        bucket up and down."""
+        sp = SamplingParams.full(1, 1.0)
+        new = self._prefill(jnp.zeros((1, self.min_prompt_bucket), jnp.int32), jnp.ones((1,), jnp.int32),
+                            jnp.full((1,), 2, jnp.int32), sp, jax.random.split(self._key, 1), False)
+        for i, b in enumerate(self.buckets):
+            t0 = time.perf_counter()
+            for greedy in (True, False):
+                self._state = _insert_jit(self._empty_state(b), new, jnp.zeros((1,), jnp.int32))
+                self._round(greedy)
+                self._state = _finish_jit(self._state, jnp.ones((b,), bool))
+            for small in self.buckets[:i]:  # growing: from any smaller bucket at once
+                self._state = _insert_jit(self._empty_state(b), self._empty_state(small),
+                                          jnp.arange(small, dtype=jnp.int32))
+            if i > 0:  # shrinking: one bucket down at a time
+                self._state = _take_jit(self._state, jnp.arange(self.buckets[i - 1], dtype=jnp.int32))
+            jax.block_until_ready(self._state)
+            log.info("compiled batch bucket %d (%d of %d) in %.1fs", b, i + 1, len(self.buckets),
+                     time.perf_counter() - t0)
+        self._state = self._empty_state(self.buckets[0])
+        self._slots = [None] * self.buckets[0]
+
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def _resize(self, rows: int) -> None:
+        """Move the live sequences into a batch of `rows` rows (a bucket that holds them all).
+
+        Growing copies every row into a larger empty batch; shrinking compacts the live rows
+        into the first ones. Either way each sequence keeps its whole state, and its request
+        learns its new row.
+        """
+        live = [i for i, r in enumerate(self._slots) if r is not None]
+        if rows == len(self._slots) or len(live) > rows:
+            return
+        if not live:  # nothing to keep
+            self._state = self._empty_state(rows)
+            self._slots = [None] * rows
+        elif rows > len(self._slots):
+            old = len(self._slots)
+            self._state = _insert_jit(self._empty_state(rows), self._state, jnp.arange(old, dtype=jnp.int32))
+            self._slots = self._slots + [None] * (rows - old)
+        else:
+            free = [i for i, r in enumerate(self._slots) if r is None]
+            order = live + free[: rows - len(live)]  # the padding rows are done (free) ones
+            self._state = _take_jit(self._state, jnp.asarray(order, jnp.int32))
+            self._slots = [self._slots[i] for i in order]
+        for i, r in enumerate(self._slots):
+            if r is not None:
+                r.slot = i
+        self._small_rounds = 0
+        self.metrics.batch_resizes.inc()
+        self.metrics.batch_rows.set(rows)
+
+    def _maybe_shrink(self) -> None:
+        """Compact one bucket down once the live sequences have fit it for `shrink_after`
+        rounds; straight to the smallest bucket when none is left."""
+        n = self._num_active()
+        if n == 0:
+            self._resize(self.buckets[0])
+            return
+        i = self.buckets.index(len(self._slots))
+        if i == 0 or n > self.buckets[i - 1]:
+            self._small_rounds = 0
+            return
+        self._small_rounds += 1
+        if self._small_rounds >= self.shrink_after:
+            self._resize(self.buckets[i - 1])
 
     # ------------------------------------------------------------------ loop
 
@@ -376,9 +467,8 @@ class Engine:
                     self._cv.wait()
                 if self._abort:
                     break
-                free = [i for i, r in enumerate(self._slots) if r is None]
                 admit: list[GenRequest] = []
-                while self._waiting and len(admit) < len(free):
+                while self._waiting and len(admit) < self.num_free_slots():
                     r = self._waiting.popleft()
                     if r.cancelled:
                         self._finish(r, "abort")
@@ -388,21 +478,23 @@ class Engine:
             try:
                 self._free_cancelled()
                 if admit:
-                    self._admit(admit, free)
+                    self._admit(admit)
                 if self._any_active():
                     self._step()
+                self._maybe_shrink()
             except Exception as e:  # keep serving: fail the requests in flight, reset the batch
                 log.exception("engine step failed")
                 for r in admit + [r for r in self._slots if r is not None]:
                     self._fail(r, f"internal error in the engine: {type(e).__name__}: {e}")
-                self._slots = [None] * self.max_batch_size
-                self._state = self._empty_state()
-            self.metrics.batch_occupancy.set(self.max_batch_size - self.num_free_slots())
+                self._slots = [None] * self.buckets[0]
+                self._state = self._empty_state(self.buckets[0])
+                self.metrics.batch_rows.set(self.buckets[0])
+            self.metrics.batch_occupancy.set(self._num_active())
         # abort: everything still here ends as "abort"
         with self._cv:
             rest = list(self._waiting) + [r for r in self._slots if r is not None]
             self._waiting.clear()
-            self._slots = [None] * self.max_batch_size
+            self._slots = [None] * len(self._slots)
         for r in rest:
             self._finish(r, "abort")
 
@@ -415,7 +507,7 @@ class Engine:
     def _release(self, slots: list[int]) -> None:
         if not slots:
             return
-        mask = np.zeros((self.max_batch_size,), bool)
+        mask = np.zeros((len(self._slots),), bool)
         mask[slots] = True
         self._state = _finish_jit(self._state, jnp.asarray(mask))
         for s in slots:
@@ -427,7 +519,9 @@ class Engine:
             self._finish(self._slots[i], "abort")
         self._release(gone)
 
-    def _admit(self, reqs: list[GenRequest], free: list[int]) -> None:
+    def _admit(self, reqs: list[GenRequest]) -> None:
+        self._resize(max(len(self._slots), self._bucket(self._num_active() + len(reqs))))
+        free = [i for i, r in enumerate(self._slots) if r is None]
         for r, s in zip(reqs, free, strict=False):  # there may be more free slots than requests
             r.slot = s
             self._slots[s] = r
@@ -462,7 +556,7 @@ class Engine:
         temp = np.zeros((nb,), np.float32)
         top_k = np.zeros((nb,), np.int32)
         top_p = np.ones((nb,), np.float32)
-        slots = np.full((nb,), self.max_batch_size, np.int32)  # padding rows are dropped
+        slots = np.full((nb,), len(self._slots), np.int32)  # padding rows point past the end: dropped
         for i, r in enumerate(reqs):
             tokens[i, : len(r.prompt_ids)] = r.prompt_ids
             lens[i] = len(r.prompt_ids)
@@ -511,6 +605,8 @@ class Engine:
                 continue
             self.metrics.rounds.inc()
             m = int(accepted[s])
+            r.accepted_tokens += m
+            r.target_forwards += 1
             self.metrics.acceptance_length.observe(m + 1)
             for pos in range(m):
                 self.metrics.accepted.labels(position=str(pos + 1)).inc()
@@ -568,7 +664,7 @@ class Engine:
             self.metrics.e2e.observe(now - r.arrival)
             if r.first_token_time is not None and r.completion_tokens > 1:
                 self.metrics.tpot.observe((now - r.first_token_time) / (r.completion_tokens - 1))
-        r.sink(Finished(reason, len(r.prompt_ids), r.completion_tokens, tail))
+        r.sink(Finished(reason, len(r.prompt_ids), r.completion_tokens, tail, r.accepted_tokens, r.target_forwards))
 
     def _fail(self, r: GenRequest, message: str) -> None:
         if not self._claim_end(r):

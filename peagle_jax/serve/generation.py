@@ -41,7 +41,8 @@ class Generation:
             self.engine.cancel(r)
 
     def usage(self, results: Sequence[Finished]) -> Usage:
-        return Usage.of(self.prompt_tokens, results)
+        return Usage.of(self.prompt_tokens, results, method=self.engine.method,
+                        num_draft_tokens=self.engine.num_draft_tokens)
 
 
 def start_generation(engine: Engine, prompts: list[list[int]], budgets: list[int], settings: SamplingSettings,

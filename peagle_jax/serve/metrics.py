@@ -36,6 +36,11 @@ class Metrics:
         self.batch_occupancy = Gauge("peagle_batch_occupancy", "Batch slots in use", registry=r)
         self.batch_slots = Gauge("peagle_batch_slots", "Batch slots (max batch size)", registry=r)
         self.batch_slots.set(max_batch_size)
+        self.batch_rows = Gauge("peagle_batch_rows", "Rows each round computes (the batch bucket that holds the "
+                                "live sequences)", registry=r)
+        self.batch_rows.set(1)
+        self.batch_resizes = Counter("peagle_batch_resizes", "Moves of the live sequences to another batch bucket",
+                                     registry=r)
         self.ttft = Histogram(
             "peagle_time_to_first_token_seconds", "Arrival to first generated token", buckets=_LATENCY_BUCKETS,
             registry=r)

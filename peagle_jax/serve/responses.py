@@ -14,7 +14,7 @@ from peagle_jax.serve.engine import Finished
 __all__ = [
     "ChatChoice", "ChatChunkChoice", "ChatChunks", "ChatCompletion", "ChatCompletionChunk", "ChatDelta",
     "ChatMessageOut", "ChunkFactory", "Completion", "CompletionChoice", "CompletionChunk", "CompletionChunks",
-    "Health", "ModelCard", "ModelList", "Usage",
+    "Health", "ModelCard", "ModelList", "Speculation", "Usage",
 ]
 
 
@@ -22,16 +22,35 @@ def _is_none(value: object) -> bool:
     return value is None
 
 
+class Speculation(BaseModel):
+    """This request's speculative decoding, summed over its choices (an extension field: the
+    official clients keep it, e.g. `usage.speculation` / `usage.model_extra` in `openai`)."""
+
+    method: str
+    num_draft_tokens: int  # K, the drafts proposed per round
+    accepted_tokens: int  # drafts the target accepted
+    target_forwards: int  # rounds after the prefill (one target forward each)
+    acceptance_length: float  # tokens committed per target forward: 1 + accepted / forwards
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    speculation: Speculation | None = Field(None, exclude_if=_is_none)
 
     @classmethod
-    def of(cls, prompt_tokens: int, results: Sequence[Finished]) -> Usage:
+    def of(cls, prompt_tokens: int, results: Sequence[Finished], *, method: str = "none",
+           num_draft_tokens: int = 0) -> Usage:
         completion = sum(r.completion_tokens for r in results)
+        spec = None
+        if method != "none":
+            accepted = sum(r.accepted_tokens for r in results)
+            forwards = sum(r.target_forwards for r in results)
+            spec = Speculation(method=method, num_draft_tokens=num_draft_tokens, accepted_tokens=accepted,
+                               target_forwards=forwards, acceptance_length=round(1 + accepted / max(forwards, 1), 4))
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion,
-                   total_tokens=prompt_tokens + completion)
+                   total_tokens=prompt_tokens + completion, speculation=spec)
 
 
 class _Envelope(BaseModel):

@@ -253,10 +253,12 @@ def generate_selfdistill(target, tokenizer, prompts: list[tuple[str, str]], out_
 
 
 def read_selfdistill(path: Path) -> list[Doc]:
+    """Documents (prompt + response, loss on the response) from a {"name", "prompt",
+    "response"} JSONL; an unterminated last line (a writer still running) is left out."""
     docs = []
     with open(path) as fh:
         for line in fh:
-            if not line.strip():
+            if not line.strip() or not line.endswith("\n"):
                 continue
             r = json.loads(line)
             p, a = r["prompt"], r["response"]

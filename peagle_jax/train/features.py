@@ -76,6 +76,17 @@ def _rescale_random(model) -> None:
             var.set_value(x / 0.02 if name == "embed_tokens" else x / (0.02 * np.sqrt(x.shape[0])))
 
 
+def generated_docs(run_dir: str | None, split: str) -> list[Doc]:
+    """The target-written answers of a `generate_data` run (its resumable JSONL, any length)."""
+    if not run_dir:
+        raise ValueError("data.source=generated needs data.generated_dir (a generate_data --out directory)")
+    path = Path(run_dir) / f"answers_{split}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; write it first with: python -m "
+                                f"peagle_jax.train.generate_data --out {run_dir} --split {split}")
+    return read_selfdistill(path)
+
+
 def chunk_len(cfg: TrainConfig) -> int:
     return min(cfg.data.max_doc_tokens, cfg.data.seq_len + 1)
 
@@ -98,6 +109,8 @@ def load_documents(cfg: TrainConfig, split: str, target, tokenizer, eos_ids, log
         generate_selfdistill(target, tokenizer, prompts, out, max_new_tokens=d.sd_max_new_tokens,
                              batch=d.sd_batch, eos_ids=eos_ids, log=log)
         docs = read_selfdistill(out)
+    elif d.source == "generated":
+        docs = generated_docs(d.generated_dir, split)[:limit]
     elif d.source == "random":
         num = d.random_docs if split == "train" else max(4, d.random_docs // 8)
         docs = random_docs(target, num=num, prompt_len=d.random_prompt_len, new_tokens=d.random_new_tokens,

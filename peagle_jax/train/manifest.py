@@ -74,6 +74,10 @@ def main(argv=None) -> None:
                         "+ docstring, whole files held out for validation), answered by the target itself "
                         "(greedy, chat template): self-distillation"),
         "code": "Python standard library .py files (whole files held out for validation), raw text",
+        "generated": ("multi-domain prompts (peagle_jax.train.prompts: Magpie self-written user turns, stdlib "
+                      "functions, documentation summaries, rewriting, translation, math, follow-ups) answered by "
+                      "the target itself (greedy, chat template), written by peagle_jax.train.generate_data; its "
+                      "manifest_{split}.json in data.generated_dir has the mix and token counts"),
     }
     if cfg.data.source in descriptions:
         data["description"] = descriptions[cfg.data.source]

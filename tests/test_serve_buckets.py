@@ -1,0 +1,114 @@
+"""Rounds sized to the work (#17): the engine computes the smallest batch bucket that holds
+its live sequences, grows and compacts between buckets, and no sequence's output changes."""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+import pytest
+from test_serve import MAX_LEN, _tiny_models
+
+from peagle_jax.generate import speculative_generate
+from peagle_jax.serve.engine import Engine, Failed, Finished, GenRequest, batch_buckets
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def models():
+    return _tiny_models()
+
+
+@pytest.mark.parametrize(("max_batch", "buckets"), [(1, (1,)), (2, (1, 2)), (4, (1, 2, 4)), (6, (1, 2, 4, 6)),
+                                                    (16, (1, 2, 4, 8, 16))])
+def test_batch_buckets_are_powers_of_two_and_the_maximum(max_batch, buckets):
+    assert batch_buckets(max_batch) == buckets
+
+
+class _Run:
+    """An engine whose rounds record how many rows they computed and who was live."""
+
+    def __init__(self, models, **kw):
+        target, drafter, tok, eos = models
+        self.tok = tok
+        self.engine = Engine(target, drafter, tok, eos, method="peagle", num_draft_tokens=K,
+                             max_model_len=MAX_LEN, **kw)
+        self.rows: list[tuple[int, int]] = []  # (rows computed, live sequences) per round
+        real = self.engine._round
+
+        def recording_round(greedy):
+            self.rows.append((len(self.engine._slots), self.engine._num_active()))
+            return real(greedy)
+
+        self.engine._round = recording_round
+        self.events: dict[int, list] = collections.defaultdict(list)
+        self.done = threading.Semaphore(0)
+
+    def request(self, i: int, ids: list[int], max_new: int, **kw) -> GenRequest:
+        def sink(ev):
+            self.events[i].append(ev)
+            if isinstance(ev, Finished | Failed):
+                self.done.release()
+        return GenRequest(ids, max_new, sink, **{"temperature": 0.0, **kw})
+
+    def text(self, i: int) -> str:
+        assert isinstance(self.events[i][-1], Finished), self.events[i][-1]
+        return "".join(ev.text for ev in self.events[i])  # Finished carries the last text too
+
+
+PROMPTS = ["a short one", "the second prompt, a little longer than the first", "third", "4", "fifth and last"]
+LENGTHS = [3, 40, 9, 24, 30]
+
+
+def test_outputs_do_not_change_while_the_batch_grows_and_shrinks(models):
+    target, drafter, tok, eos = models
+    ids = [tok.encode(p) for p in PROMPTS]
+    run = _Run(models, max_batch_size=4, max_prefill_batch=2, shrink_after=1)
+    run.engine.start(warmup=False)
+    sampled = dict(temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    try:
+        # 5 requests on 4 rows: the 5th waits; short ones end early, so the batch shrinks
+        # 4 -> 2 -> 1 while the long ones run on. Request 3 samples with a seed.
+        run.engine.submit_all([run.request(i, ids[i], LENGTHS[i], **(sampled if i == 3 else {}))
+                               for i in range(5)])
+        for _ in range(5):
+            assert run.done.acquire(timeout=300)
+    finally:
+        run.engine.shutdown()
+    greedy = [i for i in range(5) if i != 3]
+    for i in greedy:
+        ref = speculative_generate(target, drafter, [ids[i]], method="peagle", num_draft_tokens=K,
+                                   max_new_tokens=LENGTHS[i], eos_token_ids=eos)
+        assert run.text(i) == tok.decode(ref.tokens[0], skip_special_tokens=True), i
+    sizes = [r for r, _ in run.rows]
+    assert {4, 2, 1} <= set(sizes), sizes  # it grew to 4 and compacted down to 1
+    assert all(live <= rows for rows, live in run.rows)
+    # once one sequence is left, its rounds compute one row (shrink_after=1: after one round)
+    tail = [rows for rows, live in run.rows if live == 1]
+    assert tail and tail[-1] == 1 and tail.count(4) == 0, run.rows
+    assert run.engine.metrics.batch_resizes._value.get() >= 3
+
+    # The seeded sampled request gives the same text alone on a 1-row engine.
+    solo = _Run(models, max_batch_size=1)
+    solo.engine.start(warmup=False)
+    try:
+        solo.engine.submit(solo.request(3, ids[3], LENGTHS[3], **sampled))
+        assert solo.done.acquire(timeout=300)
+    finally:
+        solo.engine.shutdown()
+    assert solo.text(3) == run.text(3)
+    assert {rows for rows, _ in solo.rows} == {1}
+
+
+def test_a_lone_stream_computes_one_row_on_a_wide_engine(models):
+    run = _Run(models, max_batch_size=8)
+    run.engine.start(warmup=False)
+    try:
+        for i in range(2):  # one after the other, as a client at concurrency 1
+            run.engine.submit(run.request(i, run.tok.encode(PROMPTS[i]), 12))
+            assert run.done.acquire(timeout=300)
+    finally:
+        run.engine.shutdown()
+    assert run.rows and {rows for rows, _ in run.rows} == {1}, run.rows
+    assert run.engine.stats()["rows"] == 1
