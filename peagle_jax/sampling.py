@@ -197,18 +197,26 @@ def _num_accepted(accept: Array) -> Int[Array, " B"]:
     return jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
 
 
+def _within(limit: Int[Array, " B"] | None, k: int) -> Array | bool:
+    """[B, K] mask of the draft positions a row's limit lets count (True without a limit)."""
+    return True if limit is None else jnp.arange(k)[None, :] < limit[:, None]
+
+
 def accept_greedy(
     draft_tokens: Int[Array, "B K"],
     target_logits: Float[Array, "B K1 V"],
+    limit: Int[Array, " B"] | None = None,
 ) -> tuple[Int[Array, " B"], Int[Array, " B"]]:
     """Greedy verification: accept the longest prefix matching the target argmax.
 
     Returns (num_accepted, next_token); next_token is the target argmax at row
     num_accepted: the correction token, or the bonus token when all K are accepted.
+    `limit` (per row, 0..K) caps the drafts a row may accept, as if only that many had been
+    proposed: a row with limit 0 decodes one token, exactly as without speculation.
     """
     target_top = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, K+1]
     k = draft_tokens.shape[1]
-    n = _num_accepted(draft_tokens == target_top[:, :k])
+    n = _num_accepted((draft_tokens == target_top[:, :k]) & _within(limit, k))
     return n, jnp.take_along_axis(target_top, n[:, None], axis=1)[:, 0]
 
 
@@ -217,6 +225,7 @@ def accept_rejection(
     draft_tokens: Int[Array, "B K"],
     draft_probs: Float[Array, "B K V"] | None,
     target_probs: Float[Array, "B K1 V"],
+    limit: Int[Array, " B"] | None = None,
 ) -> tuple[Int[Array, " B"], Int[Array, " B"]]:
     """Exact speculative sampling: emitted tokens are distributed as target_probs.
 
@@ -224,6 +233,8 @@ def accept_rejection(
     rejection a token is drawn from norm(max(0, p_i - q_i)) and the round stops; if all
     K are accepted a bonus token is drawn from p_K. draft_probs=None means deterministic
     drafts (q_i one-hot on x_i). Returns (num_accepted, next_token).
+    `limit` (per row, 0..K): only the first `limit` drafts are tested; a row that accepts
+    them all draws its bonus token from p_limit, as if only `limit` had been proposed.
     """
     b, k = draft_tokens.shape
     v = target_probs.shape[-1]
@@ -240,13 +251,13 @@ def accept_rejection(
         q_x = jnp.ones_like(p_x)
     else:
         q_x = jnp.take_along_axis(draft_probs.astype(jnp.float32), x[..., None], axis=-1)[..., 0]
-    n = _num_accepted((q_x > 0) & (p_x >= u * q_x))
+    n = _num_accepted((q_x > 0) & (p_x >= u * q_x) & _within(limit, k))
 
     # Only the row at index n is ever sampled from, so gather it instead of building all K
     # residuals. With q := 0 at row K the residual max(0, p_K - 0) is p_K: the bonus token
     # falls out of the same formula.
     p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]  # [B, V]
-    in_chain = (n < k)[:, None]
+    in_chain = (n < (k if limit is None else limit))[:, None]  # a rejected draft, not a bonus row
     if draft_probs is None:
         # One-hot q: max(0, p - onehot(x)) is p with x zeroed (p(x) <= 1).
         x_n = jnp.take_along_axis(x, jnp.minimum(n, k - 1)[:, None], axis=1)[:, 0]
@@ -269,11 +280,13 @@ def verify(
     temperature: Float[Array, " B"],
     top_k: Int[Array, " B"],
     top_p: Float[Array, " B"],
+    limit: Int[Array, " B"] | None = None,
 ) -> tuple[Int[Array, " B"], Int[Array, " B"]]:
-    """Per-sequence verification: greedy rows by argmax match, others by rejection sampling."""
-    n_g, t_g = accept_greedy(draft_tokens, target_logits)
+    """Per-sequence verification: greedy rows by argmax match, others by rejection sampling
+    (`limit`: the drafts each row may accept, see `accept_greedy`)."""
+    n_g, t_g = accept_greedy(draft_tokens, target_logits, limit)
     target_probs = process_logits(target_logits, temperature, top_k, top_p)
-    n_s, t_s = accept_rejection(key, draft_tokens, draft_probs, target_probs)
+    n_s, t_s = accept_rejection(key, draft_tokens, draft_probs, target_probs, limit)
     greedy = _greedy_rows(temperature)
     return jnp.where(greedy, n_g, n_s), jnp.where(greedy, t_g, t_s)
 

@@ -226,6 +226,30 @@ def test_accept_rejection_is_exact(mode):
     assert not ((n == 1) & (nxt == 2)).any()
 
 
+def test_accept_greedy_limit_caps_each_row():
+    # As if only `limit` drafts had been proposed: the next token is the argmax at the capped row.
+    target = [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4], [0, 0, 0, 2]]
+    draft = jnp.array([[1, 2, 3], [0, 2, 3], [1, 2, 3], [0, 0, 0]], jnp.int32)
+    n, nxt = jax.jit(S.accept_greedy)(draft, _logits_with_argmax(target), jnp.array([1, 3, 0, 2]))
+    np.testing.assert_array_equal(n, [1, 0, 0, 2])
+    np.testing.assert_array_equal(nxt, [2, 1, 1, 0])
+
+
+@pytest.mark.parametrize("limit", [0, 1, 2])
+def test_accept_rejection_limit_is_exact(limit):
+    # q == p: without a limit every draft is accepted and the bonus comes from p_K. With a
+    # limit, exactly `limit` are accepted and the next token must follow p_limit (not the
+    # residual p - q, which is empty here, and not p_K).
+    b, v = 4096, 6
+    rows = np.random.default_rng(11).dirichlet(np.ones(v), size=K + 1)
+    probs = jnp.broadcast_to(jnp.asarray(rows, jnp.float32), (b, K + 1, v))
+    x = S.sample_from_probs(jax.random.key(12), probs[:, :K])
+    n, nxt = jax.jit(S.accept_rejection)(jax.random.key(13), x, probs[:, :K], probs, jnp.full((b,), limit))
+    np.testing.assert_array_equal(n, limit)
+    counts = np.bincount(np.asarray(nxt), minlength=v)
+    assert stats.chisquare(counts, rows[limit] * b).pvalue > 1e-3, (counts, rows[limit] * b)
+
+
 def test_accept_rejection_identical_distributions_accept_all():
     # p == q: every draft is accepted (p/q = 1 >= u), and the residual guard is never hit.
     b, v = 512, 16

@@ -425,3 +425,22 @@ def test_ngram_server_equals_plain_decoding(models):
         for p, want in zip(prompts, ref.tokens, strict=True):
             got = c.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0).choices[0].text
             assert got == tok.decode(want, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_per_request_speculation_setting(models, client, k):
+    # extra_body num_speculative_tokens: the same greedy text; at most k drafts accepted per round
+    # (0: one token per target forward, as without speculation).
+    tok = models[2]
+    prompt = "Per-request speculation"
+    ref, out = _reference(models, [tok.encode(prompt)], 20)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
+                                  extra_body={"num_speculative_tokens": k})
+    assert r.choices[0].text == ref[0]
+    spec = r.usage.model_extra["speculation"]
+    assert spec["num_draft_tokens"] == k and spec["accepted_tokens"] <= k * spec["target_forwards"]
+    if k == 0:
+        assert spec["accepted_tokens"] == 0 and spec["target_forwards"] == r.usage.completion_tokens - 1
+    with pytest.raises(openai.BadRequestError, match="num_speculative_tokens"):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+                                  extra_body={"num_speculative_tokens": K + 1})

@@ -10,7 +10,7 @@ import pytest
 from test_serve import MAX_LEN, _tiny_models
 
 from peagle_jax.generate import speculative_generate
-from peagle_jax.serve.engine import Engine, Failed, Finished, GenRequest, batch_buckets
+from peagle_jax.serve.engine import Delta, Engine, Failed, Finished, GenRequest, batch_buckets
 
 K = 3
 
@@ -112,3 +112,41 @@ def test_a_lone_stream_computes_one_row_on_a_wide_engine(models):
         run.engine.shutdown()
     assert run.rows and {rows for rows, _ in run.rows} == {1}, run.rows
     assert run.engine.stats()["rows"] == 1
+
+
+def test_per_request_draft_limit_keeps_the_text_and_caps_acceptance(models):
+    # Prompt lookup on a tiny random target that falls into a loop: drafts get accepted. A
+    # request's num_speculative_tokens caps them per round (0: none), sharing one batch with
+    # requests at the engine's K, and the greedy text never changes.
+    from peagle_jax.drafters.ngram import NgramProposer
+
+    target, _, tok, eos = models
+    engine = Engine(target, NgramProposer(), tok, eos, method="ngram", num_draft_tokens=K, max_batch_size=4,
+                    max_model_len=MAX_LEN)
+    engine.start(warmup=False)
+    ends: dict[int, Finished] = {}
+    texts: dict[int, list[str]] = collections.defaultdict(list)
+    done = threading.Semaphore(0)
+
+    def request(i, limit):
+        def sink(ev):
+            texts[i].append(ev.text if isinstance(ev, Delta | Finished) else "")
+            if isinstance(ev, Finished | Failed):
+                ends[i] = ev
+                done.release()
+        return GenRequest(tok.encode("one two three one two three one two"), 60, sink, temperature=0.0,
+                          num_speculative_tokens=limit)
+
+    try:
+        engine.submit_all([request(0, None), request(1, 0), request(2, 1)])
+        for _ in range(3):
+            assert done.acquire(timeout=300)
+        with pytest.raises(ValueError, match="num_speculative_tokens"):
+            engine.submit(request(3, K + 1))
+    finally:
+        engine.shutdown()
+    assert len({"".join(texts[i]) for i in range(3)}) == 1
+    full, off, one = ends[0], ends[1], ends[2]
+    assert full.accepted_tokens > 0  # precondition: lookup drafts do get accepted here
+    assert off.accepted_tokens == 0 and off.target_forwards == off.completion_tokens - 1
+    assert one.accepted_tokens <= one.target_forwards  # the per-row cap itself: tests/test_sampling.py

@@ -125,6 +125,7 @@ class SpecState(NamedTuple):
     rounds: Int[Array, " B"]  # target forwards after prefill, while active
     accepted_per_pos: Int[Array, "B K"]  # rounds in which draft position i was accepted
     sampling: SamplingParams
+    draft_limit: Int[Array, " B"]  # drafts a sequence may accept per round, 0..K (0: no speculation)
     eos_ids: Int[Array, " E"]
     key: jax.Array  # one PRNG key per sequence, [B]
 
@@ -203,10 +204,11 @@ def _verify_step(target: CausalLM, state: SpecState, proposal: Proposal, key: ja
     out = verify_forward(target, state.target_cache, state.last_token, proposal.tokens,
                          return_aux=config.uses_features)
     if config.greedy:
-        m, nxt = sampling.accept_greedy(proposal.tokens, out.logits)
+        m, nxt = sampling.accept_greedy(proposal.tokens, out.logits, state.draft_limit)
     else:
         sp = state.sampling
-        m, nxt = sampling.verify(key, proposal.tokens, proposal.q, out.logits, sp.temperature, sp.top_k, sp.top_p)
+        m, nxt = sampling.verify(key, proposal.tokens, proposal.q, out.logits, sp.temperature, sp.top_k, sp.top_p,
+                                 state.draft_limit)
     return out, m, nxt
 
 
@@ -303,8 +305,11 @@ def prefill(
     sp: SamplingParams,
     eos_ids: Int[Array, " E"],
     key: jax.Array,
+    draft_limit: Int[Array, " B"] | None = None,
 ) -> SpecState:
     """Run the prompts (right-padded to a bucket) and emit the first token.
+
+    `draft_limit` caps the drafts each sequence may accept per round (default K: all).
 
     The drafter also consumes the prompt: rows (feature p, token p+1) for p < L-1 are
     written to its cache now, and the last one, paired with the first generated token,
@@ -342,6 +347,7 @@ def prefill(
         rounds=jnp.zeros((b,), jnp.int32),
         accepted_per_pos=jnp.zeros((b, k), jnp.int32),
         sampling=sp,
+        draft_limit=jnp.full((b,), k, jnp.int32) if draft_limit is None else jnp.minimum(draft_limit, k),
         eos_ids=eos_ids,
         key=k_rest,
     )

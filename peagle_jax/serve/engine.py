@@ -106,6 +106,7 @@ class GenRequest:
     top_p: float = 1.0
     seed: int | None = None
     stop: Sequence[str] = ()
+    num_speculative_tokens: int | None = None  # drafts accepted per round, 0..K; None: the engine's K
     id: int = dataclasses.field(default_factory=lambda: next(_ids))
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     # engine-side state
@@ -129,10 +130,11 @@ def _keys_from_seeds(seeds):
 
 
 @functools.partial(step_jit, static_argnames=("target_def", "drafter_def", "config"))
-def _prefill_jit(target_state, drafter_state, tokens, lens, max_new, sp, eos_ids, key,
+def _prefill_jit(target_state, drafter_state, tokens, lens, max_new, sp, eos_ids, key, draft_limit,
                  *, target_def, drafter_def, config: SpecConfig):
     target, drafter = merge_models(target_def, target_state, drafter_def, drafter_state)
-    return prefill(target, drafter, tokens, lens, config, max_new=max_new, sp=sp, eos_ids=eos_ids, key=key)
+    return prefill(target, drafter, tokens, lens, config, max_new=max_new, sp=sp, eos_ids=eos_ids, key=key,
+                   draft_limit=draft_limit)
 
 
 @functools.partial(step_jit, static_argnames=("target_def", "drafter_def", "config"), donate_argnames=("state",))
@@ -290,6 +292,10 @@ class Engine:
             raise ValueError(f"top_k {r.top_k} must be in [-1, {_INT32_MAX}]")
         if not 0 < r.top_p <= 1:
             raise ValueError(f"top_p {r.top_p} must be in (0, 1]")
+        n = r.num_speculative_tokens
+        if n is not None and not 0 <= n <= self.num_draft_tokens:
+            raise ValueError(f"num_speculative_tokens {n} must be in 0..{self.num_draft_tokens} (this server's "
+                             f"method is {self.method!r} with k={self.num_draft_tokens})")
 
     def cancel(self, req: GenRequest) -> None:
         """Drop a request (client went away). A queued one leaves the queue now; a running one
@@ -349,12 +355,14 @@ class Engine:
 
     # ------------------------------------------------------------------ state
 
-    def _prefill(self, tokens, lens, max_new, sp, key, greedy, *, shapes_only: bool = False):
+    def _prefill(self, tokens, lens, max_new, sp, key, greedy, draft_limit=None, *, shapes_only: bool = False):
         # step_jit programs must be called at top level: `.eval_shape` gives their output
         # shapes without staging them inside another trace.
         fn = _prefill_jit.eval_shape if shapes_only else _prefill_jit
+        if draft_limit is None:  # always an array: one compiled program whatever the requests ask
+            draft_limit = jnp.full(lens.shape, self.num_draft_tokens, jnp.int32)
         return fn(
-            self._target_state, self._drafter_state, tokens, lens, max_new, sp, self._eos, key,
+            self._target_state, self._drafter_state, tokens, lens, max_new, sp, self._eos, key, draft_limit,
             target_def=self._target_def, drafter_def=self._drafter_def,
             config=dataclasses.replace(self._spec, greedy=greedy),
         )
@@ -556,12 +564,15 @@ class Engine:
         temp = np.zeros((nb,), np.float32)
         top_k = np.zeros((nb,), np.int32)
         top_p = np.ones((nb,), np.float32)
+        limit = np.full((nb,), self.num_draft_tokens, np.int32)
         slots = np.full((nb,), len(self._slots), np.int32)  # padding rows point past the end: dropped
         for i, r in enumerate(reqs):
             tokens[i, : len(r.prompt_ids)] = r.prompt_ids
             lens[i] = len(r.prompt_ids)
             max_new[i] = r.max_new_tokens
             temp[i], top_k[i], top_p[i] = r.temperature, r.top_k, r.top_p
+            if r.num_speculative_tokens is not None:
+                limit[i] = r.num_speculative_tokens
             slots[i] = r.slot
         # One PRNG key per sequence: a request with a seed gets the same samples whatever
         # else is in the batch (spec_round advances each key by the row's own round count).
@@ -575,7 +586,8 @@ class Engine:
         sp = SamplingParams(jnp.asarray(temp), jnp.asarray(top_k), jnp.asarray(top_p))
         # The sampling path is exact for temperature-0 rows too (argmax), and one first token
         # per row is cheap: one prefill compilation per shape instead of two.
-        new = self._prefill(jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(max_new), sp, key, False)
+        new = self._prefill(jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(max_new), sp, key, False,
+                            jnp.asarray(limit))
         first, done, hit_eos = jax.device_get((new.output[:, 0], new.done, new.hit_eos))
         return new, slots, lens, first, done, hit_eos
 

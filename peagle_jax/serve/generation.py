@@ -41,8 +41,9 @@ class Generation:
             self.engine.cancel(r)
 
     def usage(self, results: Sequence[Finished]) -> Usage:
-        return Usage.of(self.prompt_tokens, results, method=self.engine.method,
-                        num_draft_tokens=self.engine.num_draft_tokens)
+        asked = self.requests[0].num_speculative_tokens if self.requests else None  # one setting per call
+        k = self.engine.num_draft_tokens if asked is None else asked
+        return Usage.of(self.prompt_tokens, results, method=self.engine.method, num_draft_tokens=k)
 
 
 def start_generation(engine: Engine, prompts: list[list[int]], budgets: list[int], settings: SamplingSettings,

@@ -36,6 +36,9 @@ class SamplingRequest(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: Annotated[StrictInt, Field(ge=1, le=16)] = 1
+    # Per-request speculation (an extension, e.g. `extra_body` in the openai client): the drafts
+    # this request may accept per round, 0 (off) up to the server's -k; omitted: the server's.
+    num_speculative_tokens: Annotated[StrictInt, Field(ge=0, le=INT32_MAX)] | None = None
     # Accepted for compatibility; only the neutral values are supported (see `unsupported`).
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None

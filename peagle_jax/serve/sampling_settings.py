@@ -20,6 +20,7 @@ class SamplingSettings:
     top_p: float = 1.0
     seed: int | None = None  # None: the engine draws one
     stop: tuple[str, ...] = ()
+    num_speculative_tokens: int | None = None  # None: the server's K
 
     @classmethod
     def from_request(cls, req: SamplingRequest) -> SamplingSettings:
@@ -30,6 +31,7 @@ class SamplingSettings:
             top_p=1.0 if req.top_p is None else float(req.top_p),
             seed=req.seed,
             stop=tuple(req.stop or ()),
+            num_speculative_tokens=req.num_speculative_tokens,
         )
 
     def for_choice(self, choice: int) -> SamplingSettings:
@@ -39,4 +41,5 @@ class SamplingSettings:
 
     def gen_request(self, prompt_ids: list[int], max_new_tokens: int, sink: Callable[[Any], None]) -> GenRequest:
         return GenRequest(prompt_ids, max_new_tokens, sink, temperature=self.temperature, top_k=self.top_k,
-                          top_p=self.top_p, seed=self.seed, stop=list(self.stop))
+                          top_p=self.top_p, seed=self.seed, stop=list(self.stop),
+                          num_speculative_tokens=self.num_speculative_tokens)
