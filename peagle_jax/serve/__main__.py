@@ -73,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     if config.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding to %s: the server is reachable from other machines%s", config.host,
                     "" if config.api_key else " and has NO API key (--api-key)")
+    if config.compilation_cache_dir:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.compilation_cache_dir))
     from peagle_jax.serve.app import create_app
 
     try:

@@ -88,6 +88,9 @@ class ServeConfig(BaseModel):
     mesh: Mesh = Field(default_factory=Mesh)
     seed: int = 0
     warmup: bool = Field(True, description="compile the round and a small prefill before accepting requests")
+    compilation_cache_dir: str | None = Field(
+        None, description="JAX's persistent compilation cache: a restart loads the warm-up's programs instead of "
+        "compiling them (also JAX_COMPILATION_CACHE_DIR); keep one directory per machine type")
     drain_timeout: float = Field(30.0, ge=0, description="seconds to finish in-flight requests on SIGTERM")
     # --- HTTP
     host: str = "127.0.0.1"
@@ -164,6 +167,7 @@ _FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--mesh",), dict(help="device mesh, e.g. data=1,model=1")),
     (("--seed",), dict(type=int)),
     (("--no-warmup",), dict(action="store_const", const=False, dest="warmup")),
+    (("--compilation-cache-dir",), dict(help="persistent XLA compilation cache (restarts skip the compiles)")),
     (("--drain-timeout",), dict(type=float, help="seconds to finish in-flight requests on SIGTERM")),
     (("--host",), dict(help="bind address (default 127.0.0.1: localhost only)")),
     (("--port",), dict(type=int)),
