@@ -114,3 +114,9 @@ def test_cli_help():
     r = subprocess.run([sys.executable, "-m", "peagle_jax.serve", "--help"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0 and "--max-queue-size" in r.stdout and "--mesh" in r.stdout
+
+
+def test_compilation_cache_dir_flag():
+    args = build_parser().parse_args(["--compilation-cache-dir", "/tmp/xla-cache"])
+    assert config_from_args(args, env={}).compilation_cache_dir == "/tmp/xla-cache"
+    assert config_from_args(build_parser().parse_args([]), env={}).compilation_cache_dir is None
