@@ -361,6 +361,19 @@ def prefill(
 _SHARED_FIELDS = ("eos_ids",)
 
 
+def _map_sequences(fn, state: SpecState, *others: SpecState) -> SpecState:
+    """`fn` over every per-sequence array of `state` (and the matching arrays of `others`);
+    the shared fields and absent (None) parts are kept from `state`."""
+    fields = {}
+    for name in SpecState._fields:
+        old = getattr(state, name)
+        if name in _SHARED_FIELDS or old is None:
+            fields[name] = old
+        else:
+            fields[name] = jax.tree.map(fn, old, *(getattr(o, name) for o in others))
+    return SpecState(**fields)
+
+
 def insert_sequences(state: SpecState, new: SpecState, slots: Int[Array, " n"]) -> SpecState:
     """Write the n sequences of `new` (e.g. fresh from `prefill`) into batch rows `slots`.
 
@@ -375,14 +388,7 @@ def insert_sequences(state: SpecState, new: SpecState, slots: Int[Array, " n"]) 
     def put(big, small):
         return big.at[slots].set(small.astype(big.dtype), mode="drop")
 
-    fields = {}
-    for name in SpecState._fields:
-        old, fresh = getattr(state, name), getattr(new, name)
-        if name in _SHARED_FIELDS or old is None:
-            fields[name] = old
-        else:
-            fields[name] = jax.tree.map(put, old, fresh)
-    return SpecState(**fields)
+    return _map_sequences(put, state, new)
 
 
 def finish_sequences(state: SpecState, mask: Bool[Array, " B"]) -> SpecState:
@@ -398,11 +404,4 @@ def take_sequences(state: SpecState, rows: Int[Array, " m"]) -> SpecState:
     key), so a sequence continues exactly as it would have in its old slot.
     """
     rows = jnp.asarray(rows, jnp.int32)
-    fields = {}
-    for name in SpecState._fields:
-        old = getattr(state, name)
-        if name in _SHARED_FIELDS or old is None:
-            fields[name] = old
-        else:
-            fields[name] = jax.tree.map(lambda a: jnp.take(a, rows, axis=0), old)
-    return SpecState(**fields)
+    return _map_sequences(lambda a: jnp.take(a, rows, axis=0), state)

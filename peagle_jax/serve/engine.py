@@ -319,7 +319,7 @@ class Engine:
     def stats(self) -> dict[str, int]:
         with self._cv:
             return {
-                "active": self.max_batch_size - self.num_free_slots(),
+                "active": self._num_active(),
                 "waiting": len(self._waiting),
                 "slots": self.max_batch_size,
                 "rows": len(self._slots),
