@@ -69,6 +69,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "X+ngram: the lookup's drafts where the context matches, the head's elsewhere")
     ap.add_argument("--prompt-lookup-min", type=int, default=2, help="smallest n-gram of method ngram")
     ap.add_argument("--prompt-lookup-max", type=int, default=4, help="largest n-gram of method ngram")
+    ap.add_argument("--head-draft-tokens", type=int, default=None,
+                    help="X+ngram: drafts the head proposes where the lookup has no match (default: K)")
     ap.add_argument("--ks", nargs="+", type=int, default=[3, 5, 7], help="draft lengths K")
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1])
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -88,7 +90,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                     help="target and head weights/activations (norms, softmax, logits stay float32)")
     ap.add_argument("--out", default="results/offline")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.head_draft_tokens is not None and args.head_draft_tokens < 1:
+        ap.error(f"--head-draft-tokens must be >= 1, got {args.head_draft_tokens}")
+    return args
 
 
 def _load(args):
@@ -152,9 +157,10 @@ def _add_hybrids(args, drafters: dict[str, Any], labels: dict[str, str]) -> None
         if base not in drafters:
             continue
         if f"{base}+ngram" in args.methods:
-            drafters[f"{base}+ngram"] = HybridProposer(drafters[base], NgramProposer(args.prompt_lookup_min,
-                                                                                     args.prompt_lookup_max))
-            labels[f"{base}+ngram"] = f"{labels[base]} + prompt lookup"
+            lookup = NgramProposer(args.prompt_lookup_min, args.prompt_lookup_max)
+            drafters[f"{base}+ngram"] = HybridProposer(drafters[base], lookup, args.head_draft_tokens)
+            head_k = "K" if args.head_draft_tokens is None else f"min(K, {args.head_draft_tokens})"
+            labels[f"{base}+ngram"] = f"{labels[base]} + prompt lookup (head drafts {head_k} without a match)"
         if base not in args.methods:
             del drafters[base], labels[base]
 

@@ -158,6 +158,7 @@ def load(
     served_model_name: str | None = None,
     prompt_lookup_min: int = 2,
     prompt_lookup_max: int = 4,
+    head_draft_tokens: int | None = None,
 ) -> LoadedModel:
     """Load and configure a target model and its draft head.
 
@@ -171,6 +172,9 @@ def load(
       first when the launcher's variables say so (`sharding.maybe_initialize_distributed`).
     attention / kv_cache_dtype / fp8_weights: see `models.options`.
     prompt_lookup_min / prompt_lookup_max: the n-gram sizes the "ngram" methods match (vLLM's names).
+    head_draft_tokens: in an "X+ngram" method, the drafts the head proposes where the lookup has
+      no match (None: K, as many as a match); fewer verify rows when the head is right mostly
+      on its first drafts (`drafters.hybrid`).
 
     Raises FileNotFoundError / ValueError with a message naming the bad setting.
     """
@@ -186,6 +190,9 @@ def load(
     if "ngram" in method and not 1 <= prompt_lookup_min <= prompt_lookup_max:
         raise ValueError("prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                          f"{prompt_lookup_min} and {prompt_lookup_max}")
+    if head_draft_tokens is not None and (method not in HYBRID_METHODS or head_draft_tokens < 1):
+        raise ValueError(f"head_draft_tokens ({head_draft_tokens}) needs a method X+ngram ({', '.join(HYBRID_METHODS)}) "
+                         f"and a value >= 1; got method {method!r}")
     if head_spec is None and method in ("eagle3", "peagle", *HYBRID_METHODS):
         raise ValueError(f"method {method!r} needs a draft head (drafter=DIR)"
                          + ("" if is_default_model(model) else "; only the default model ships one"))
@@ -216,7 +223,8 @@ def load(
             from peagle_jax.drafters.hybrid import HybridProposer
             from peagle_jax.drafters.ngram import NgramProposer
 
-            llm.drafter = HybridProposer(llm.drafter, NgramProposer(prompt_lookup_min, prompt_lookup_max))
+            llm.drafter = HybridProposer(llm.drafter, NgramProposer(prompt_lookup_min, prompt_lookup_max),
+                                         head_draft_tokens)
     llm.method = method if method != "auto" else method_for(llm.drafter)
     log.info("loaded %s%s in %.1fs (method %s)", model_path.name, f" + {head_spec}" if head_spec else "",
              time.perf_counter() - t0, llm.method)

@@ -96,12 +96,13 @@ def test_ngram_refuses_heads_and_feature_drafters(target):
 
 @pytest.mark.parametrize("method", ["peagle+ngram", "eagle3+ngram"])
 @pytest.mark.parametrize("k", [1, 3, 7])
-def test_greedy_hybrid_is_exactly_plain_decoding(target, reference, method, k):
+@pytest.mark.parametrize("head_draft_tokens", [None, 1])
+def test_greedy_hybrid_is_exactly_plain_decoding(target, reference, method, k, head_draft_tokens):
     from peagle_jax.drafters import DrafterConfig, create_drafter
     from peagle_jax.drafters.hybrid import HybridProposer
 
     cfg = DrafterConfig.for_target(target.config, num_layers=1, parallel_drafting=True, mask_token_id=VOCAB - 1)
-    hybrid = HybridProposer(create_drafter(cfg, seed=2), NgramProposer(1, 3))
+    hybrid = HybridProposer(create_drafter(cfg, seed=2), NgramProposer(1, 3), head_draft_tokens)
     out = speculative_generate(target, hybrid, PROMPTS, method=method, num_draft_tokens=k, max_new_tokens=32,
                                eos_token_ids=[EOS])
     assert out.tokens == [t[:32] for t in reference.tokens]
@@ -132,6 +133,47 @@ def test_hybrid_takes_the_lookup_where_the_context_matches_and_the_head_elsewher
     head_only = head.propose(cache.head, pending, settings)
     assert got.tokens[0].tolist() == [7, 5]  # the lookup: what followed "5 6" before, then periodic
     assert got.tokens[1].tolist() == head_only.tokens[1].tolist()  # no match: the head's drafts
+    assert got.num_drafts.tolist() == [2, 2] and got.widths == (2,)
+    # A head capped at one draft: the lookup row keeps its K, the other proposes 1.
+    capped = HybridProposer(head, NgramProposer(2, 2), head_draft_tokens=1).propose(cache, pending, settings)
+    one = head.propose(cache.head, pending, settings._replace(num_draft_tokens=1))
+    assert capped.tokens[0].tolist() == [7, 5] and capped.tokens[1, 0] == one.tokens[1, 0]
+    assert capped.num_drafts.tolist() == [2, 1] and capped.widths == (1, 2)
+    with pytest.raises(ValueError, match="head_draft_tokens"):
+        HybridProposer(head, NgramProposer(), head_draft_tokens=0)
+
+
+def test_hybrid_head_drafts_fewer_and_the_round_verifies_only_those(target, reference):
+    # A perfect head (the replay oracle) capped at 1 draft, and a lookup that never matches:
+    # every round verifies 2 rows and accepts exactly 1 draft, never more, and the output is
+    # still plain decoding's. Uncapped, the same oracle is accepted K per round.
+    from peagle_jax.drafters.hybrid import HybridProposer
+    from peagle_jax.drafters.reference import ReferenceDrafter
+
+    table = np.zeros((len(PROMPTS), 64), np.int32)
+    for i, t in enumerate(reference.tokens):
+        table[i, :len(t)] = t
+    never = NgramProposer(30, 30)
+    capped = speculative_generate(target, HybridProposer(ReferenceDrafter(table, VOCAB), never, 1), PROMPTS,
+                                  method="eagle3+ngram", num_draft_tokens=3, max_new_tokens=24, eos_token_ids=[EOS])
+    assert capped.tokens == [t[:24] for t in reference.tokens]
+    hist = capped.accepted_per_sequence
+    assert hist[:, 1:].sum() == 0 and hist[:, 0].sum() > 0
+    assert np.all(hist[:, 0] >= capped.rounds - 1)  # every round but a sequence's last accepts its one draft
+    full = speculative_generate(target, HybridProposer(ReferenceDrafter(table, VOCAB), never), PROMPTS,
+                                method="eagle3+ngram", num_draft_tokens=3, max_new_tokens=24, eos_token_ids=[EOS])
+    assert full.tokens == capped.tokens and full.accepted_per_position[2] > 0
+
+
+def test_verify_width_is_the_smallest_that_holds_every_active_sequence():
+    from peagle_jax.generate.steps import verify_width_index
+
+    widths = (0, 1, 3)
+    active = jnp.asarray([True, True, False])
+    assert int(verify_width_index(widths, jnp.asarray([0, 0, 3]), active)) == 0  # the finished row is ignored
+    assert int(verify_width_index(widths, jnp.asarray([1, 0, 3]), active)) == 1
+    assert int(verify_width_index(widths, jnp.asarray([1, 2, 0]), active)) == 2  # 2 drafts need width 3
+    assert int(verify_width_index((3,), jnp.asarray([0, 0, 0]), active)) == 0
 
 
 def test_hybrid_methods_resolve_through_the_front_door(target):
@@ -146,3 +188,7 @@ def test_hybrid_methods_resolve_through_the_front_door(target):
         shipped = resolve_drafter(None, "auto", method)
         assert shipped is None or shipped.endswith(method.split("+")[0])  # the shipped head of the base method
     assert method_for(NgramProposer()) == "ngram"
+    from peagle_jax.api import load
+
+    with pytest.raises(ValueError, match="head_draft_tokens"):  # refused before any model is loaded
+        load(None, method="peagle", head_draft_tokens=1)

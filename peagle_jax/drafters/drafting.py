@@ -7,7 +7,7 @@ synthetic benchmarks):
   prefill   write the prompt's drafter rows into a fresh drafter KV cache;
   propose   a `Proposal`: K draft tokens (and, when sampling, their probabilities q over
             the target vocabulary) from the rows accepted in the last round, and which
-            sequences have drafts at all (a context drafter may find nothing to propose).
+            many drafts each sequence has (a context drafter may find nothing to propose).
 `generate.steps` only calls these, so a new kind of drafter plugs in without touching it.
 
 The two ways an EAGLE-3 head drafts live here too:
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
 from peagle_jax import sampling
 from peagle_jax.cache import KVCache
@@ -54,12 +54,20 @@ class DraftSettings(NamedTuple):
 
 
 class Proposal(NamedTuple):
-    """One round's drafts from a `Proposer`."""
+    """One round's drafts from a `Proposer`.
 
-    tokens: Int[Array, "B K"]  # drafts in target ids
+    A proposer may propose fewer than K drafts for some sequences (prompt lookup without a
+    match proposes none; a hybrid proposes the head's few or the lookup's K): `num_drafts`
+    says how many per sequence, and `widths` lists, as static ints, every value it can take.
+    The round then verifies only as many rows as the longest active proposal needs, with one
+    compiled verify per width (`generate.steps`), instead of always K+1 rows.
+    """
+
+    tokens: Int[Array, "B K"]  # drafts in target ids (rows past num_drafts are ignored)
     q: Float[Array, "B K V"] | None  # their distribution over the target vocabulary; None: a point mass
     cache: Any  # the drafter's new cache (KVCache, TokenHistory) or None
-    has_drafts: Bool[Array, " B"] | None = None  # None: every sequence has drafts
+    num_drafts: Int[Array, " B"] | None = None  # drafts proposed per sequence, 0..K; None: K for all
+    widths: tuple[int, ...] | None = None  # the static values num_drafts takes (None: just K)
 
 
 @runtime_checkable

@@ -14,8 +14,9 @@ with static shapes inside the jitted round:
   * the drafts continue the match periodically, token j + 1 + (k mod p) with period
     p = L - 1 - j, so a match that ends just before the suffix (a repetition loop) still
     proposes K tokens instead of reading rows that do not exist yet;
-  * a sequence without a match reports `has_drafts = False`; when no active sequence has
-    one, `generate.steps.spec_round` runs a plain 1-row decode step instead of a verify.
+  * a sequence without a match proposes no drafts (`num_drafts` 0, widths (0, K)); when no
+    active sequence has one, `generate.steps.spec_round` runs a plain 1-row decode step
+    instead of a verify.
 
 The drafts are a point mass (q None), so greedy acceptance and exact rejection sampling
 both apply unchanged: accepting draft d with probability p(d) keeps sampling exact.
@@ -91,4 +92,5 @@ class NgramProposer(nnx.Module):
         history = cache.write(pending.tokens, rows)
         drafts, has = match_ngram(history.tokens, pending.base + pending.count, settings.num_draft_tokens,
                                   self.min_n, self.max_n)
-        return Proposal(drafts, None, history, has)
+        k = settings.num_draft_tokens
+        return Proposal(drafts, None, history, jnp.where(has, k, 0).astype(jnp.int32), (0, k))

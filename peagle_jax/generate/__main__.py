@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "lookup's drafts where the context matches and the head's elsewhere")
     p.add_argument("--prompt-lookup-min", type=int, default=2, help="smallest n-gram --method ngram matches")
     p.add_argument("--prompt-lookup-max", type=int, default=4, help="largest n-gram --method ngram matches")
+    p.add_argument("--head-draft-tokens", type=int, default=None,
+                   help="X+ngram methods: drafts the head proposes where prompt lookup has no match "
+                        "(default: --num-draft-tokens)")
     p.add_argument("-k", "--num-draft-tokens", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
@@ -62,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         llm = load(args.model, drafter=args.drafter or "auto", method=args.method or "auto", dtype=args.dtype,
                    mesh=args.mesh, attention=args.attention, kv_cache_dtype=args.kv_cache_dtype,
                    fp8_weights=args.fp8_weights, prompt_lookup_min=args.prompt_lookup_min,
-                   prompt_lookup_max=args.prompt_lookup_max)
+                   prompt_lookup_max=args.prompt_lookup_max, head_draft_tokens=args.head_draft_tokens)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -185,11 +185,11 @@ def _select(active, new, old):
     return jnp.where(m, new, old)
 
 
-def _plain_step(target: CausalLM, state: SpecState, key: jax.Array, greedy: bool):
+def _plain_step(target: CausalLM, state: SpecState, key: jax.Array, greedy: bool, *, return_aux: bool = False):
     """Method "none": one 1-row target forward, the next token sampled from it."""
     b = state.last_token.shape[0]
     out = verify_forward(target, state.target_cache, state.last_token, jnp.zeros((b, 0), jnp.int32),
-                         return_aux=False)
+                         return_aux=return_aux)
     if greedy:
         nxt = jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)
     else:
@@ -199,40 +199,61 @@ def _plain_step(target: CausalLM, state: SpecState, key: jax.Array, greedy: bool
     return out, jnp.zeros_like(nxt), nxt
 
 
-def _verify_step(target: CausalLM, state: SpecState, proposal: Proposal, key: jax.Array, config: SpecConfig):
-    """ONE (K+1)-row target forward over the drafts, then greedy or exact rejection acceptance."""
-    out = verify_forward(target, state.target_cache, state.last_token, proposal.tokens,
-                         return_aux=config.uses_features)
+def _verify_step(target: CausalLM, state: SpecState, proposal: Proposal, key: jax.Array, config: SpecConfig,
+                 width: int, limit: Int[Array, " B"]):
+    """ONE (width+1)-row target forward over the first `width` drafts, then greedy or exact
+    rejection acceptance of at most `limit` of them per sequence."""
+    drafts = proposal.tokens[:, :width]
+    out = verify_forward(target, state.target_cache, state.last_token, drafts, return_aux=config.uses_features)
     if config.greedy:
-        m, nxt = sampling.accept_greedy(proposal.tokens, out.logits, state.draft_limit)
+        m, nxt = sampling.accept_greedy(drafts, out.logits, limit)
     else:
         sp = state.sampling
-        m, nxt = sampling.verify(key, proposal.tokens, proposal.q, out.logits, sp.temperature, sp.top_k, sp.top_p,
-                                 state.draft_limit)
+        q = None if proposal.q is None else proposal.q[:, :width]
+        m, nxt = sampling.verify(key, drafts, q, out.logits, sp.temperature, sp.top_k, sp.top_p, limit)
     return out, m, nxt
+
+
+def verify_width_index(widths: tuple[int, ...], limit: Int[Array, " B"], active: Bool[Array, " B"]) -> Int[Array, ""]:
+    """Index into sorted `widths` of the smallest width that holds every active sequence's drafts."""
+    need = jnp.max(jnp.where(active, limit, 0))
+    return sum((need > w).astype(jnp.int32) for w in widths[:-1]) if len(widths) > 1 else jnp.int32(0)
 
 
 def _target_step(target: CausalLM, state: SpecState, proposal: Proposal, key: jax.Array, config: SpecConfig,
                  active: Bool[Array, " B"]):
     """The target's part of a round: (cache, accepted count m, next token, feature taps).
 
-    A proposer that may have nothing to propose (n-gram) reports `has_drafts`; when no active
-    sequence has drafts, the round runs a plain 1-row decode step instead of a K+1-row verify
-    (both are compiled; `lax.cond` picks one per round).
+    A proposer that drafts fewer than K tokens for some sequences (prompt lookup without a
+    match, a hybrid whose head drafts few) reports `num_drafts` and the static `widths` it
+    takes. The round then verifies w+1 rows for the smallest width w that holds every active
+    sequence's drafts (capped by its draft limit), w = 0 being a plain 1-row decode step: one
+    program per width is compiled and `lax.switch` picks one per round. A sequence accepts at
+    most its own num_drafts, exactly as if only those had been proposed, so greedy output
+    stays plain decoding's and sampling stays exact whatever width the batch runs.
     """
-    if proposal.has_drafts is None:
-        out, m, nxt = _verify_step(target, state, proposal, key, config)
+    k = config.num_draft_tokens
+    if proposal.num_drafts is None:
+        out, m, nxt = _verify_step(target, state, proposal, key, config, k, state.draft_limit)
         return out.cache, m, nxt, out.aux_hidden
+    limit = jnp.minimum(state.draft_limit, proposal.num_drafts)
+    widths = tuple(sorted(set(proposal.widths or (k,))))
+    if widths[-1] > k or widths[0] < 0:
+        raise ValueError(f"proposal widths {widths} must lie in 0..K={k}")
 
-    def verify():
-        out, m, nxt = _verify_step(target, state, proposal, key, config)
-        return out.cache, m, nxt
+    def branch(w: int):
+        def run():
+            if w == 0:
+                out, m, nxt = _plain_step(target, state, key, config.greedy, return_aux=config.uses_features)
+            else:
+                out, m, nxt = _verify_step(target, state, proposal, key, config, w, jnp.minimum(limit, w))
+            aux = None if out.aux_hidden is None else pad_rows(out.aux_hidden, k + 1)
+            return out.cache, m, nxt, aux
+        return run
 
-    def plain():
-        out, m, nxt = _plain_step(target, state, key, config.greedy)
-        return out.cache, m, nxt
-
-    return *jax.lax.cond(jnp.any(proposal.has_drafts & active), verify, plain), None
+    if len(widths) == 1:
+        return branch(widths[0])()
+    return jax.lax.switch(verify_width_index(widths, limit, active), [branch(w) for w in widths])
 
 
 def spec_round(target: CausalLM, drafter: Proposer | None, state: SpecState, config: SpecConfig) -> SpecState:

@@ -73,6 +73,9 @@ class ServeConfig(BaseModel):
     num_draft_tokens: int = Field(5, ge=1, le=32)
     prompt_lookup_min: int = Field(2, ge=1, description="smallest n-gram method 'ngram' matches")
     prompt_lookup_max: int = Field(4, ge=1, description="largest n-gram method 'ngram' matches")
+    head_draft_tokens: int | None = Field(
+        None, ge=1, description="X+ngram methods: drafts the head proposes where prompt lookup has no match "
+        "(default: num_draft_tokens)")
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     attention: Literal["xla", "triton", "mosaic", "auto"] | None = Field(
         None, description="cache-attention implementation (Pallas kernels on GPU; default: XLA reference)")
@@ -133,6 +136,8 @@ class ServeConfig(BaseModel):
     def _check(self) -> ServeConfig:
         if self.drafter is not None and self.drafter.lower() == "none" and self.method not in ("auto", "none", "ngram"):
             raise ValueError(f"method {self.method!r} needs a drafter (drafter is 'none')")
+        if self.head_draft_tokens is not None and not self.method.endswith("+ngram"):
+            raise ValueError(f"head_draft_tokens applies to the methods eagle3+ngram and peagle+ngram, not {self.method!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
                              f"({self.prompt_lookup_max})")
@@ -156,6 +161,8 @@ _FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("-k", "--num-draft-tokens"), dict(type=int)),
     (("--prompt-lookup-min",), dict(type=int, help="smallest n-gram --method ngram matches (default 2)")),
     (("--prompt-lookup-max",), dict(type=int, help="largest n-gram --method ngram matches (default 4)")),
+    (("--head-draft-tokens",), dict(type=int, help="X+ngram methods: drafts the head proposes where prompt "
+                                                   "lookup has no match (default: --num-draft-tokens)")),
     (("--dtype",), dict(choices=("float32", "bfloat16"))),
     (("--attention",), dict(choices=("xla", "triton", "mosaic", "auto"), help="cache-attention implementation")),
     (("--kv-cache-dtype",), dict(choices=("float32", "bfloat16", "float8_e4m3fn"))),
