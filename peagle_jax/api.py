@@ -191,8 +191,8 @@ def load(
         raise ValueError("prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                          f"{prompt_lookup_min} and {prompt_lookup_max}")
     if head_draft_tokens is not None and (method not in HYBRID_METHODS or head_draft_tokens < 1):
-        raise ValueError(f"head_draft_tokens ({head_draft_tokens}) needs a method X+ngram ({', '.join(HYBRID_METHODS)}) "
-                         f"and a value >= 1; got method {method!r}")
+        raise ValueError(f"head_draft_tokens ({head_draft_tokens}) needs a method X+ngram "
+                         f"({', '.join(HYBRID_METHODS)}) and a value >= 1; got method {method!r}")
     if head_spec is None and method in ("eagle3", "peagle", *HYBRID_METHODS):
         raise ValueError(f"method {method!r} needs a draft head (drafter=DIR)"
                          + ("" if is_default_model(model) else "; only the default model ships one"))

@@ -137,7 +137,8 @@ class ServeConfig(BaseModel):
         if self.drafter is not None and self.drafter.lower() == "none" and self.method not in ("auto", "none", "ngram"):
             raise ValueError(f"method {self.method!r} needs a drafter (drafter is 'none')")
         if self.head_draft_tokens is not None and not self.method.endswith("+ngram"):
-            raise ValueError(f"head_draft_tokens applies to the methods eagle3+ngram and peagle+ngram, not {self.method!r}")
+            raise ValueError("head_draft_tokens applies to the methods eagle3+ngram and peagle+ngram, "
+                             f"not {self.method!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
                              f"({self.prompt_lookup_max})")
