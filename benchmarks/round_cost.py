@@ -7,9 +7,10 @@ each (method, K), and reports:
   * ms per round and its cost relative to one decode step (= the break-even AL),
   * the speed-up a round would give at a given AL (`--at-al`, e.g. your measured ones).
 It isolates the hardware question ("how expensive is a K+1-row verify here?") from the head
-question ("how many drafts are accepted?"). On CPU a K+1-row verify costs much more than one
-decode step (XLA:CPU's matrix-vector path is far faster than its small-M matrix multiply); on
-GPU the two are nearly equal, which is where the paper's speed-ups come from.
+question ("how many drafts are accepted?"). All programs of one batch size are compiled first
+and then timed round-robin, so the ratios come from one interleaved run. On a bf16 CPU a
+4-row verify costs about 1.1 decode steps and an 8-row one about 1.4 (the matmuls grow
+with the rows); on GPU the two are nearly equal, which is where the paper's speed-ups come from.
 
   .venv/bin/python -m benchmarks.round_cost [--peagle-head DIR --eagle3-head DIR | --random-heads]
       [--ks 3 5 7] [--batch-sizes 1 4] [--context 256] [--repeats 20] [--at-al 2 3]
@@ -101,23 +102,27 @@ def _jitted(target_def, drafter_def, method: str, k: int, capacity: int, greedy:
     return step_jit(init), step_jit(one_round), (step_jit(draft_only) if method != "none" else None)
 
 
-def _median_seconds(fn, args, repeats: int) -> float:
+def interleaved_medians(programs: dict[Any, tuple[Any, tuple]], repeats: int) -> dict[Any, float]:
+    """{key: median seconds} of each (jitted fn, args), timed round-robin: every pass runs each
+    program once, so a machine that slows down or speeds up mid-run shifts them all alike."""
     import jax
 
-    jax.block_until_ready(fn(*args))  # compile
-    times = []
+    for fn, args in programs.values():
+        jax.block_until_ready(fn(*args))  # compile (and warm) before any timing
+    times: dict[Any, list[float]] = {key: [] for key in programs}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+        for key, (fn, args) in programs.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[key].append(time.perf_counter() - t0)
+    return {key: float(np.median(t)) for key, t in times.items()}
 
 
-def time_round(target, drafter, method: str, k: int, batch: int, context: int, repeats: int,
-               temperature: float = 0.0, top_p: float = 1.0) -> tuple[float, float | None]:
-    """Median seconds of one jitted `spec_round` at `context` committed tokens, and of its draft
-    step alone (None for method none). Greedy unless `temperature` > 0 (then exact rejection
-    sampling with that temperature and top-p)."""
+def round_programs(target, drafter, method: str, k: int, batch: int, context: int, temperature: float = 0.0,
+                   top_p: float = 1.0) -> dict[str, tuple[Any, tuple]]:
+    """{"round": ..., "draft": ...} (fn, args) pairs: one jitted `spec_round` at `context` committed
+    tokens, and its draft step alone (absent for method none). Greedy unless `temperature` > 0
+    (then exact rejection sampling with that temperature and top-p)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -134,38 +139,42 @@ def time_round(target, drafter, method: str, k: int, batch: int, context: int, r
     state = init(ts, ds, tokens, jnp.full((batch,), context, jnp.int32), jnp.full((batch,), 64, jnp.int32),
                  SamplingParams.full(batch, temperature, 0, top_p), jnp.asarray([-1], jnp.int32),
                  jax.random.split(jax.random.key(0), batch))
-    round_s = _median_seconds(one_round, (ts, ds, state), repeats)
-    draft_s = _median_seconds(draft_only, (ts, ds, state), repeats) if draft_only is not None else None
-    return round_s, draft_s
+    programs = {"round": (one_round, (ts, ds, state))}
+    if draft_only is not None:
+        programs["draft"] = (draft_only, (ts, ds, state))
+    return programs
 
 
 def run(args) -> dict[str, Any]:
     """Greedy rounds against the greedy decode step; with --temperature also sampled rounds,
-    against the same greedy step (the cost of sampling itself shows in the ratio)."""
+    against the same greedy step (the cost of sampling itself shows in the ratio). All the
+    programs of one batch size are timed interleaved (`interleaved_medians`)."""
     target, drafters = _models(args)
     modes = [("greedy", 0.0)] + ([(f"T={args.temperature} top-p={args.top_p}", args.temperature)]
                                  if args.temperature > 0 else [])
     rows = []
     for b in args.batch_sizes:
-        base, _ = time_round(target, None, "none", 0, b, args.context, args.repeats)
-        for label, temp in modes:
-            jobs = [("none", None, 0)] + [(m, d, k) for m, d in drafters.items() for k in args.ks]
-            for method, drafter, k in jobs:
-                if method == "none" and temp == 0.0:
-                    t, d = base, None
-                else:
-                    t, d = time_round(target, drafter, method, k, b, args.context, args.repeats, temp, args.top_p)
-                row = {"batch_size": b, "sampling": label, "method": method, "k": k, "ms_per_round": 1000 * t,
-                       "cost_vs_decode": t / base, "ms_draft": None if d is None else 1000 * d}
-                if k:
-                    row["speedup_at_al"] = {str(a): a * base / t for a in args.at_al if a <= k + 1}
-                rows.append(row)
-                drafted = "" if d is None else f" (draft {1000 * d:.1f} ms)"
-                print(f"B={b} {label} {method} K={k}: {1000 * t:.1f} ms/round{drafted} = {t / base:.2f} greedy "
-                      "decode steps", flush=True)
+        jobs = [(label, temp, "none", None, 0) for label, temp in modes]
+        jobs += [(label, temp, m, d, k) for label, temp in modes for m, d in drafters.items() for k in args.ks]
+        programs = {}
+        for label, temp, method, drafter, k in jobs:
+            for part, prog in round_programs(target, drafter, method, k, b, args.context, temp, args.top_p).items():
+                programs[(label, method, k, part)] = prog
+        medians = interleaved_medians(programs, args.repeats)
+        base = medians[("greedy", "none", 0, "round")]
+        for label, _, method, _, k in jobs:
+            t, d = medians[(label, method, k, "round")], medians.get((label, method, k, "draft"))
+            row = {"batch_size": b, "sampling": label, "method": method, "k": k, "ms_per_round": 1000 * t,
+                   "cost_vs_decode": t / base, "ms_draft": None if d is None else 1000 * d}
+            if k:
+                row["speedup_at_al"] = {str(a): a * base / t for a in args.at_al if a <= k + 1}
+            rows.append(row)
+            drafted = "" if d is None else f" (draft {1000 * d:.1f} ms)"
+            print(f"B={b} {label} {method} K={k}: {1000 * t:.1f} ms/round{drafted} = {t / base:.2f} greedy "
+                  "decode steps", flush=True)
     return {"target": args.target, "dtype": args.dtype, "context": args.context, "repeats": args.repeats,
             "at_al": args.at_al, "heads": {m: (getattr(args, f"{m}_head") or "RANDOM WEIGHTS") for m in drafters},
-            "machine": common.machine_info(), "results": rows}
+            "machine": common.machine_info(), "results": rows, "timing": "interleaved round-robin"}
 
 
 def write_report(summary: dict[str, Any], out: Path) -> None:
