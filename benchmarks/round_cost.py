@@ -154,8 +154,9 @@ def run(args) -> dict[str, Any]:
                                  if args.temperature > 0 else [])
     rows = []
     for b in args.batch_sizes:
-        jobs = [(label, temp, "none", None, 0) for label, temp in modes]
-        jobs += [(label, temp, m, d, k) for label, temp in modes for m, d in drafters.items() for k in args.ks]
+        jobs = [job for label, temp in modes
+                for job in [(label, temp, "none", None, 0)]
+                + [(label, temp, m, d, k) for m, d in drafters.items() for k in args.ks]]
         programs = {}
         for label, temp, method, drafter, k in jobs:
             for part, prog in round_programs(target, drafter, method, k, b, args.context, temp, args.top_p).items():
