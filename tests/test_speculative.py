@@ -180,9 +180,22 @@ def test_sampling_matches_target_distribution(small_target, method):
 
 
 def _exact_joint3(target, prompt, temperature, top_p):
-    """p(t1, t2, t3) of the processed target distribution, by enumeration."""
-    p1 = _exact_joint(target, prompt, temperature, top_p).sum(axis=1)  # the marginal of t1
-    return np.stack([p1[a] * _exact_joint(target, prompt + [a], temperature, top_p) for a in range(SMALL_V)])
+    """p(t1, t2, t3) of the processed target distribution, by enumeration: ONE batched forward
+    over every prompt + [a, b] gives the distributions after prompt, prompt + [a] and
+    prompt + [a, b] at its last three positions (few programs, no per-prefix compiles)."""
+    from peagle_jax.sampling import process_logits
+
+    n = len(prompt)
+    seqs = jnp.asarray([prompt + [a, b] for a in range(SMALL_V) for b in range(SMALL_V)])
+    pos = jnp.broadcast_to(jnp.arange(n + 2)[None], seqs.shape)
+    out = target(seqs, pos, target.init_cache(seqs.shape[0], 16))
+    ones = jnp.ones((seqs.shape[0],))
+    p = process_logits(out.logits[:, n - 1:n + 2], ones * temperature, jnp.zeros_like(ones, jnp.int32), ones * top_p)
+    p = np.asarray(p, np.float64).reshape(SMALL_V, SMALL_V, 3, SMALL_V)
+    first = p[0, 0, 0]  # after the prompt: the same in every row
+    second = p[:, 0, 1]  # [a, t2]: after prompt + [a]
+    third = p[:, :, 2]  # [a, b, t3]
+    return first[:, None, None] * second[:, :, None] * third
 
 
 def _chi_square_p(samples: np.ndarray, exact: np.ndarray) -> float:
