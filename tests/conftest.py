@@ -84,3 +84,21 @@ def make_tiny_hf():
         return model
 
     return make
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop JAX's compiled programs after each test module.
+
+    Every XLA:CPU executable keeps its JIT-compiled code in its own memory mappings, and JAX's
+    caches keep every executable alive for the life of the process. Over the whole suite in one
+    process that approaches Linux's default limit of 65530 mappings per process
+    (vm.max_map_count): at about 18k mappings after a dozen slow tests, the fast suite's
+    late compiles crashed inside XLA's compiler (a segfault, then an abort, in two clean-clone CI
+    runs, in tests that pass on their own). Clearing the caches between modules frees them; a
+    module's own programs are kept while it runs.
+    """
+    yield
+    import jax
+
+    jax.clear_caches()
