@@ -81,7 +81,7 @@ def run_peer(head_dir: Path, inputs: dict[str, np.ndarray], work: Path) -> tuple
     if reason:
         raise RuntimeError(reason)
     np.savez(work / "inputs.npz", **inputs)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env = common.peer_env()
     env["HF_HUB_OFFLINE"] = "1"  # nothing to fetch: the export and the inputs are local
     proc = subprocess.run([str(peer_python()), str(RUNNER), "--head", str(head_dir), "--inputs",
                            str(work / "inputs.npz"), "--out", str(work / "out.npz")],

@@ -72,7 +72,9 @@ def missing_reason() -> str | None:
 
 def _clean_env() -> dict[str, str]:
     """Our environment minus what would point the 3.11 interpreter at our 3.12 venv."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    from benchmarks import common
+
+    env = common.peer_env()
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     return env
 

@@ -233,11 +233,10 @@ def _target_step(target: CausalLM, state: SpecState, proposal: Proposal, key: ja
     stays plain decoding's and sampling stays exact whatever width the batch runs.
     """
     k = config.num_draft_tokens
-    if proposal.num_drafts is None:
-        out, m, nxt = _verify_step(target, state, proposal, key, config, k, state.draft_limit)
-        return out.cache, m, nxt, out.aux_hidden
-    limit = jnp.minimum(state.draft_limit, proposal.num_drafts)
-    widths = tuple(sorted(set(proposal.widths or (k,))))
+    if proposal.num_drafts is None:  # K drafts for every sequence: one K+1-row verify
+        limit, widths = state.draft_limit, (k,)
+    else:
+        limit, widths = jnp.minimum(state.draft_limit, proposal.num_drafts), tuple(sorted(set(proposal.widths or (k,))))
     if widths[-1] > k or widths[0] < 0:
         raise ValueError(f"proposal widths {widths} must lie in 0..K={k}")
 
