@@ -94,9 +94,12 @@ class Client:
             pass
         return model, health
 
-    async def chat(self, model: str, text: str, max_tokens: int) -> dict[str, Any]:
+    async def chat(self, model: str, text: str, max_tokens: int, *, sampling: dict[str, Any] | None = None,
+                   first_token: asyncio.Event | None = None) -> dict[str, Any]:
+        """One streaming chat request, timed. `sampling`: extra body fields (default temperature
+        0); `first_token` is set when the first content delta arrives."""
         body = dict(model=model, messages=[{"role": "user", "content": text}], max_tokens=max_tokens,
-                    temperature=0.0, stream=True, stream_options={"include_usage": True})
+                    temperature=0.0, stream=True, stream_options={"include_usage": True}, **(sampling or {}))
         t0 = time.perf_counter()
         ttft = None
         deltas = 0
@@ -125,11 +128,15 @@ class Client:
                                 deltas += 1
                                 if ttft is None:
                                     ttft = time.perf_counter() - t0
+                                    if first_token is not None:
+                                        first_token.set()
                             if ch.get("finish_reason"):
                                 finish = ch["finish_reason"]
         except Exception as e:  # noqa: BLE001 - a failed request is a data point, not a crash
             error = f"{type(e).__name__}: {e}"[:200]
         latency = time.perf_counter() - t0
+        if first_token is not None:
+            first_token.set()  # also on failure: nobody waits forever on a request that ended
         tokens = int(usage["completion_tokens"]) if usage and "completion_tokens" in usage else deltas
         return dict(ok=error is None, error=error, latency=latency, ttft=ttft, tokens=tokens, deltas=deltas,
                     finish=finish, usage=usage is not None)

@@ -13,7 +13,15 @@ and then timed round-robin, so the ratios come from one interleaved run. On a bf
 with the rows); on GPU the two are nearly equal, which is where the paper's speed-ups come from.
 
   .venv/bin/python -m benchmarks.round_cost [--peagle-head DIR --eagle3-head DIR | --random-heads]
-      [--ks 3 5 7] [--batch-sizes 1 4] [--context 256] [--repeats 20] [--at-al 2 3]
+      [--ks 3 5 7] [--batch-sizes 1 4] [--context 256] [--context-source text|random] [--repeats 20]
+      [--at-al 2 3] [--temperature 0.7 --top-p 0.95 [--mixed]]
+
+The committed context is real chat text by default (MT-Bench first turns in the chat template,
+each row ending where an assistant turn starts), so sampled rounds see the peaked
+distributions serving sees; `--context-source random` uses uniformly random token ids, whose
+flat distributions are the worst case for top-p. `--mixed` adds, for each batch size >= 2, the
+sampled program with ONE sampled row and the others greedy: its cost against the greedy round
+is how much a greedy request slows down when a sampled one shares its batch.
 
 Writes results/round_cost/round_cost.{json,md}.
 """
@@ -45,10 +53,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--temperature", type=float, default=0.0, help="> 0: time sampled rounds (rejection sampling)")
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--context-source", default="text", choices=("text", "random"),
+                    help="committed tokens: real chat text (MT-Bench turns) or random ids")
+    ap.add_argument("--mixed", action="store_true",
+                    help="with --temperature: also time batches of one sampled row and B-1 greedy rows")
     ap.add_argument("--out", default="results/round_cost")
     a = ap.parse_args(argv)
     if a.context < 2 or a.repeats < 1 or any(k < 1 for k in a.ks) or any(b < 1 for b in a.batch_sizes):
         ap.error("--context >= 2, --repeats >= 1, --ks >= 1 and --batch-sizes >= 1")
+    if a.mixed and a.temperature <= 0:
+        ap.error("--mixed needs --temperature > 0")
     return a
 
 
@@ -68,7 +82,8 @@ def _models(args):
             drafters[method] = common.random_drafter(target, parallel=method == "peagle", seed=1)
     if not drafters:
         raise SystemExit("give --peagle-head / --eagle3-head, or --random-heads")
-    return target, drafters
+    # The tiny target has no real tokenizer; its context is random ids.
+    return target, drafters, (None if args.target == "tiny" else llm.tokenizer)
 
 
 @functools.cache
@@ -118,11 +133,30 @@ def interleaved_medians(programs: dict[Any, tuple[Any, tuple]], repeats: int) ->
     return {key: float(np.median(t)) for key, t in times.items()}
 
 
+def context_tokens(tokenizer, vocab_size: int, batch: int, context: int, source: str = "text") -> np.ndarray:
+    """[batch, context] committed token ids. "text": MT-Bench first turns, chat-encoded and
+    concatenated; row b is the `context` tokens that end where turn b's assistant reply starts
+    (a prompt shorter than `context` is preceded by the turns before it). "random": uniform ids."""
+    if source == "random" or tokenizer is None:
+        return np.random.default_rng(0).integers(1, vocab_size, (batch, context))
+    stream: list[int] = []
+    ends = []
+    for item in common.load_prompts("mtbench"):
+        stream += common.encode_prompt(tokenizer, item)
+        ends.append(len(stream))
+    ends = [e for e in ends if e >= context]
+    if len(ends) < batch:
+        raise SystemExit(f"MT-Bench holds {len(ends)} contexts of {context} tokens; lower --context or --batch-sizes")
+    return np.stack([np.asarray(stream[e - context:e]) for e in ends[:batch]])
+
+
 def round_programs(target, drafter, method: str, k: int, batch: int, context: int, temperature: float = 0.0,
-                   top_p: float = 1.0) -> dict[str, tuple[Any, tuple]]:
+                   top_p: float = 1.0, *, tokens: np.ndarray | None = None,
+                   sampled_rows: int | None = None) -> dict[str, tuple[Any, tuple]]:
     """{"round": ..., "draft": ...} (fn, args) pairs: one jitted `spec_round` at `context` committed
-    tokens, and its draft step alone (absent for method none). Greedy unless `temperature` > 0
-    (then exact rejection sampling with that temperature and top-p)."""
+    tokens (`tokens` [batch, context], random ids if None), and its draft step alone (absent for
+    method none). Greedy unless `temperature` > 0 (then exact rejection sampling with that
+    temperature and top-p, on every row or on the first `sampled_rows`, the rest greedy)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -134,11 +168,14 @@ def round_programs(target, drafter, method: str, k: int, batch: int, context: in
     drafter_def, ds = nnx.split(drafter) if drafter is not None else (None, None)
     capacity = cache_capacity(context, 64, k)
     init, one_round, draft_only = _jitted(target_def, drafter_def, method, k, capacity, temperature == 0.0)
-    rng = np.random.default_rng(0)
-    tokens = jnp.asarray(rng.integers(1, target.config.vocab_size, (batch, context)), jnp.int32)
+    if tokens is None:
+        tokens = context_tokens(None, target.config.vocab_size, batch, context, "random")
+    tokens = jnp.asarray(tokens, jnp.int32)
+    sp = SamplingParams.full(batch, temperature, 0, top_p)
+    if sampled_rows is not None:
+        sp = sp._replace(temperature=jnp.where(jnp.arange(batch) < sampled_rows, temperature, 0.0))
     state = init(ts, ds, tokens, jnp.full((batch,), context, jnp.int32), jnp.full((batch,), 64, jnp.int32),
-                 SamplingParams.full(batch, temperature, 0, top_p), jnp.asarray([-1], jnp.int32),
-                 jax.random.split(jax.random.key(0), batch))
+                 sp, jnp.asarray([-1], jnp.int32), jax.random.split(jax.random.key(0), batch))
     programs = {"round": (one_round, (ts, ds, state))}
     if draft_only is not None:
         programs["draft"] = (draft_only, (ts, ds, state))
@@ -149,21 +186,25 @@ def run(args) -> dict[str, Any]:
     """Greedy rounds against the greedy decode step; with --temperature also sampled rounds,
     against the same greedy step (the cost of sampling itself shows in the ratio). All the
     programs of one batch size are timed interleaved (`interleaved_medians`)."""
-    target, drafters = _models(args)
-    modes = [("greedy", 0.0)] + ([(f"T={args.temperature} top-p={args.top_p}", args.temperature)]
-                                 if args.temperature > 0 else [])
+    target, drafters, tokenizer = _models(args)
+    sampled = f"T={args.temperature} top-p={args.top_p}"
     rows = []
     for b in args.batch_sizes:
-        jobs = [job for label, temp in modes
-                for job in [(label, temp, "none", None, 0)]
-                + [(label, temp, m, d, k) for m, d in drafters.items() for k in args.ks]]
+        modes = [("greedy", 0.0, None)] + ([(sampled, args.temperature, None)] if args.temperature > 0 else [])
+        if args.mixed and b > 1:
+            modes.append((f"1 row {sampled}, {b - 1} greedy", args.temperature, 1))
+        jobs = [job for label, temp, ns in modes
+                for job in [(label, temp, ns, "none", None, 0)]
+                + [(label, temp, ns, m, d, k) for m, d in drafters.items() for k in args.ks]]
+        tokens = context_tokens(tokenizer, target.config.vocab_size, b, args.context, args.context_source)
         programs = {}
-        for label, temp, method, drafter, k in jobs:
-            for part, prog in round_programs(target, drafter, method, k, b, args.context, temp, args.top_p).items():
+        for label, temp, ns, method, drafter, k in jobs:
+            for part, prog in round_programs(target, drafter, method, k, b, args.context, temp, args.top_p,
+                                             tokens=tokens, sampled_rows=ns).items():
                 programs[(label, method, k, part)] = prog
         medians = interleaved_medians(programs, args.repeats)
         base = medians[("greedy", "none", 0, "round")]
-        for label, _, method, _, k in jobs:
+        for label, _, _, method, _, k in jobs:
             t, d = medians[(label, method, k, "round")], medians.get((label, method, k, "draft"))
             row = {"batch_size": b, "sampling": label, "method": method, "k": k, "ms_per_round": 1000 * t,
                    "cost_vs_decode": t / base, "ms_draft": None if d is None else 1000 * d}
@@ -173,7 +214,8 @@ def run(args) -> dict[str, Any]:
             drafted = "" if d is None else f" (draft {1000 * d:.1f} ms)"
             print(f"B={b} {label} {method} K={k}: {1000 * t:.1f} ms/round{drafted} = {t / base:.2f} greedy "
                   "decode steps", flush=True)
-    return {"target": args.target, "dtype": args.dtype, "context": args.context, "repeats": args.repeats,
+    return {"target": args.target, "dtype": args.dtype, "context": args.context,
+            "context_source": args.context_source if tokenizer is not None else "random", "repeats": args.repeats,
             "at_al": args.at_al, "heads": {m: (getattr(args, f"{m}_head") or "RANDOM WEIGHTS") for m in drafters},
             "machine": common.machine_info(), "results": rows, "timing": "interleaved round-robin"}
 
@@ -187,7 +229,7 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
               common.fmt(r["cost_vs_decode"]), *[common.fmt(r.get("speedup_at_al", {}).get(str(a))) for a in al]]
              for r in summary["results"]]
     md = [f"# Round cost vs decode step ({summary['target']}, {summary.get('dtype', 'float32')}, "
-          f"context {summary['context']})", "",
+          f"context {summary['context']}, {summary.get('context_source', 'random')})", "",
           "cost = ms per round / ms per greedy plain decode step; for greedy rounds it is the acceptance "
           "length at which speculation breaks even.", "",
           common.md_table(["B", "sampling", "method", "K", "ms/round", "ms drafting", "cost (break-even AL)",

@@ -94,6 +94,52 @@ def test_process_logits_matches_reference():
     np.testing.assert_array_equal(out[1].argmax(-1), ln[1].argmax(-1))
 
 
+def test_process_logits_wide_nucleus_matches_reference():
+    """Flat distributions spread the nucleus over thousands of tokens; the bisection that finds
+    the top-k / top-p thresholds must give the sorted reference's exact kept set there too."""
+    v = 6000
+    rows = [(1.0, 0, 0.9), (1.5, 0, 0.99), (1.0, 3000, 0.95), (0.7, 2500, 1.0), (1.0, 0, 0.05), (0.0, 0, 0.9)]
+    logits = jax.random.normal(jax.random.key(3), (len(rows), 2, v), jnp.float32) * 0.3
+    t, k, p = _settings(rows)
+    out = np.asarray(jax.jit(S.process_logits)(logits, t, k, p))
+    ln = np.asarray(logits)
+    for i, row in enumerate(rows):
+        for j in range(2):
+            ref = _ref_process(ln[i, j], *row)
+            np.testing.assert_array_equal(out[i, j] > 0, ref > 0, err_msg=f"row {i} {row} support")
+            np.testing.assert_allclose(out[i, j], ref, atol=1e-6, err_msg=f"row {i} {row}")
+    assert (out[0] > 0).sum(-1).min() > 1000  # the case a 1024-candidate shortcut cannot decide
+
+
+def test_process_logits_keeps_whole_tie_groups():
+    """Logits on a coarse grid tie in groups; a top-k or top-p boundary inside a group keeps all of it."""
+    v = 512
+    grid = np.round(np.asarray(jax.random.normal(jax.random.key(4), (3, 1, v))) * 2) / 2  # 0.5 steps
+    rows = [(1.0, 40, 1.0), (1.0, 0, 0.6), (0.8, 100, 0.7)]
+    t, k, p = _settings(rows)
+    out = np.asarray(jax.jit(S.process_logits)(jnp.asarray(grid, jnp.float32), t, k, p))[:, 0]
+    for i, (ti, ki, pi) in enumerate(rows):
+        x = grid[i, 0].astype(np.float64) / ti
+        kept = np.ones(v, bool)
+        if ki:
+            kept &= x >= np.sort(x)[::-1][ki - 1]
+        if pi < 1.0:
+            e = np.where(kept, np.exp(x - x.max()), 0.0)
+            mass_above = np.array([e[x > xv].sum() for xv in x]) / e.sum()
+            kept &= x >= x[kept & (mass_above < pi)].min()
+        np.testing.assert_array_equal(out[i] > 0, kept, err_msg=f"row {i} {rows[i]}")
+        for value in np.unique(x[kept]):  # a kept value keeps every token that has it
+            assert (out[i][x == value] > 0).all()
+
+
+def test_greedy_token_is_argmax_with_lowest_index_ties():
+    x = jax.random.normal(jax.random.key(5), (4, 3, 1000), jnp.float32)
+    x = jnp.round(x * 4) / 4  # many ties, including at the top
+    x = x.at[1, 0].set(-jnp.inf).at[2, 1, 7].set(jnp.inf).at[3, 2].set(5.0)
+    for arr in (x, x.astype(jnp.bfloat16)):
+        np.testing.assert_array_equal(np.asarray(jax.jit(S.greedy_token)(arr)), np.argmax(np.asarray(arr), axis=-1))
+
+
 def test_process_logits_numerically_safe():
     v = 8
     lone = jnp.full((v,), -jnp.inf).at[5].set(2.0)  # all -inf except one

@@ -113,7 +113,7 @@ def _draft_tokens_from_logits(
 ) -> tuple[Int[Array, "B K"], Float[Array, "B K V"] | None]:
     """Draft ids (target vocabulary) and, when sampling, q over the target vocabulary."""
     if greedy:
-        return drafter.to_target_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32)), None
+        return drafter.to_target_ids(sampling.greedy_token(logits)), None
     draft_ids, q_draft = sampling.draft_from_logits(key, logits, sp.temperature, sp.top_k, sp.top_p)
     target_ids = drafter.to_target_ids(draft_ids)
     # q over the target vocabulary: draft-vocab probabilities scattered to their target ids.

@@ -191,7 +191,7 @@ def _plain_step(target: CausalLM, state: SpecState, key: jax.Array, greedy: bool
     out = verify_forward(target, state.target_cache, state.last_token, jnp.zeros((b, 0), jnp.int32),
                          return_aux=return_aux)
     if greedy:
-        nxt = jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)
+        nxt = sampling.greedy_token(out.logits[:, 0])
     else:
         sp = state.sampling
         probs = sampling.process_logits(out.logits, sp.temperature, sp.top_k, sp.top_p)
@@ -309,7 +309,7 @@ def spec_round(target: CausalLM, drafter: Proposer | None, state: SpecState, con
 
 def _first_token(logits: Float[Array, "B 1 V"], sp: SamplingParams, key: jax.Array, greedy: bool) -> Int[Array, " B"]:
     if greedy:
-        return jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        return sampling.greedy_token(logits[:, 0])
     probs = sampling.process_logits(logits, sp.temperature, sp.top_k, sp.top_p)
     return sampling.sample_from_probs(key, probs)[:, 0]
 
