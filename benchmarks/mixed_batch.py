@@ -83,20 +83,22 @@ async def run_condition(client: Client, model: str, prompt: str, condition: str,
     if condition != "alone":
         sampling = ({"temperature": args.temperature, "top_p": args.top_p, "seed": repeat}
                     if condition == "sampled neighbour" else None)
-        streaming = asyncio.Event()
+        streaming, stop = asyncio.Event(), asyncio.Event()
         neighbour = asyncio.create_task(_timed(client.chat(
             model, NEIGHBOUR_PROMPT.format(topic=TOPICS[repeat % len(TOPICS)]), 4 * args.max_tokens,
-            sampling=sampling, first_token=streaming)))
-        await streaming.wait()
+            sampling=sampling, first_token=streaming, stop=stop)))
+        started = asyncio.create_task(streaming.wait())
+        await asyncio.wait([started, neighbour], return_when=asyncio.FIRST_COMPLETED)
+        started.cancel()
+        if neighbour.done() and neighbour.exception() is None and not neighbour.result()["ok"]:
+            raise SystemExit(f"the neighbour request failed: {neighbour.result()['error']}")
     a = await _timed(client.chat(model, prompt, args.max_tokens))
     shared = True
     if neighbour is not None:
-        if neighbour.done():
-            b = neighbour.result()
-            shared = b["ok"] and b["t_end"] > a["t_end"]
-        else:
-            neighbour.cancel()  # closes the stream; the server frees the slot
-            await asyncio.gather(neighbour, return_exceptions=True)
+        shared = not neighbour.done()
+        stop.set()  # closes B's stream; the server frees its slot
+        b = await neighbour
+        shared = shared and b["ok"]
     await asyncio.sleep(0.5)  # let the engine retire the cancelled neighbour
     return {"repeat": repeat, "condition": condition, "ok": a["ok"], "error": a["error"], "tokens": a["tokens"],
             "tpot_ms": None if tpot(a) is None else 1000 * tpot(a), "shared": shared}

@@ -95,11 +95,14 @@ class Client:
         return model, health
 
     async def chat(self, model: str, text: str, max_tokens: int, *, sampling: dict[str, Any] | None = None,
-                   first_token: asyncio.Event | None = None) -> dict[str, Any]:
+                   first_token: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> dict[str, Any]:
         """One streaming chat request, timed. `sampling`: extra body fields (default temperature
-        0); `first_token` is set when the first content delta arrives."""
+        0); `first_token` is set when the first content delta arrives; once `stop` is set the
+        stream is closed at the next line (the server sees a disconnect). Closing it this way,
+        rather than cancelling the task, keeps httpx's connection pool usable."""
         body = dict(model=model, messages=[{"role": "user", "content": text}], max_tokens=max_tokens,
-                    temperature=0.0, stream=True, stream_options={"include_usage": True}, **(sampling or {}))
+                    temperature=0.0, stream=True, stream_options={"include_usage": True})
+        body.update(sampling or {})
         t0 = time.perf_counter()
         ttft = None
         deltas = 0
@@ -112,6 +115,8 @@ class Client:
                     error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
                 else:
                     async for line in r.aiter_lines():
+                        if stop is not None and stop.is_set():
+                            break
                         if not line.startswith("data:"):
                             continue
                         data = line[5:].strip()

@@ -132,19 +132,63 @@ def test_online_against_real_server(tmp_path):
         assert lvl["ttft_p50"] <= lvl["latency_p50"]
 
 
+def test_round_cost_context_is_chat_text_ending_at_the_reply():
+    from benchmarks import round_cost
+    from peagle_jax.checkpoints.default_model import default_model_path
+    from peagle_jax.checkpoints.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(default_model_path())
+    ids = round_cost.context_tokens(tok, len(tok), 3, 64)
+    assert ids.shape == (3, 64) and len({tuple(r) for r in ids}) == 3
+    reply_start = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    for row in ids:
+        assert list(row[-len(reply_start):]) == reply_start  # each row ends where a reply starts
+    rnd = round_cost.context_tokens(tok, len(tok), 2, 16, "random")
+    assert rnd.shape == (2, 16) and (rnd >= 1).all() and (rnd < len(tok)).all()
+
+
+@pytest.mark.slow
+def test_mixed_batch_against_real_server(tmp_path):
+    serve = pytest.importorskip("peagle_jax.serve", reason="the server package peagle_jax.serve is not available")
+    from benchmarks import common, mixed_batch
+    from peagle_jax.checkpoints.default_model import default_model_path
+    from peagle_jax.checkpoints.tokenizer import eos_token_ids, load_tokenizer
+    from peagle_jax.serve.testing import serve_in_thread
+
+    tok = load_tokenizer(default_model_path())
+    target = common.tiny_target(len(tok), layers=2, seed=3)
+    drafter = common.random_drafter(target, parallel=True, seed=4)
+    config = serve.ServeConfig(max_batch_size=2, max_model_len=512, num_draft_tokens=2, served_model_name="tiny",
+                               warmup=False)
+    # No EOS: the random target must not end either request early, so the neighbour outlives A.
+    app = serve.create_app(config, target=target, drafter=drafter, tokenizer=tok, eos_ids=[])
+    out = tmp_path / "mixed"
+    with serve_in_thread(app) as url:
+        run = mixed_batch.main(["--base-url", url + "/v1", "--repeats", "3", "--max-tokens", "6", "--out", str(out)])
+    assert (out / "mixed_batch.md").stat().st_size > 0 and json.loads((out / "mixed_batch.json").read_text())
+    assert run["failures"] == 0 and run["not_shared"] == 0 and len(run["rows"]) == 9
+    assert {r["condition"] for r in run["rows"]} == set(mixed_batch.CONDITIONS)
+    assert all(r["tokens"] == 6 and _finite_positive(r["tpot_ms"]) for r in run["rows"])
+    assert all(_finite_positive(v) for v in run["median_tpot_ms"].values())
+    assert run["sampled_over_greedy_neighbour"] == pytest.approx(
+        run["median_tpot_ms"]["sampled neighbour"] / run["median_tpot_ms"]["greedy neighbour"])
+    _check_machine(run["machine"])
+
+
 @pytest.mark.slow
 def test_round_cost_tiny(tmp_path):
     from benchmarks import round_cost
 
     out = tmp_path / "rc"
-    s = round_cost.main(["--target", "tiny", "--random-heads", "--ks", "2", "--batch-sizes", "1", "--context", "8",
-                         "--repeats", "2", "--at-al", "2", "--temperature", "0.7", "--top-p", "0.9",
+    s = round_cost.main(["--target", "tiny", "--random-heads", "--ks", "2", "--batch-sizes", "1", "2", "--context",
+                         "8", "--repeats", "2", "--at-al", "2", "--temperature", "0.7", "--top-p", "0.9", "--mixed",
                          "--out", str(out)])
     assert (out / "round_cost.md").stat().st_size > 0 and json.loads((out / "round_cost.json").read_text())
     rows = s["results"]
-    modes = {"greedy", "T=0.7 top-p=0.9"}
-    assert {(r["sampling"], r["method"], r["k"]) for r in rows} == {
-        (m, meth, k) for m in modes for meth, k in (("none", 0), ("eagle3", 2), ("peagle", 2))}
+    assert s["context_source"] == "random"  # the tiny target has no tokenizer of its own
+    modes = {1: {"greedy", "T=0.7 top-p=0.9"}, 2: {"greedy", "T=0.7 top-p=0.9", "1 row T=0.7 top-p=0.9, 1 greedy"}}
+    assert {(r["batch_size"], r["sampling"], r["method"], r["k"]) for r in rows} == {
+        (b, m, meth, k) for b in (1, 2) for m in modes[b] for meth, k in (("none", 0), ("eagle3", 2), ("peagle", 2))}
     for r in rows:
         assert _finite_positive(r["ms_per_round"]) and _finite_positive(r["cost_vs_decode"])
         if r["method"] != "none":

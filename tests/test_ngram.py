@@ -143,6 +143,56 @@ def test_hybrid_takes_the_lookup_where_the_context_matches_and_the_head_elsewher
         HybridProposer(head, NgramProposer(), head_draft_tokens=0)
 
 
+def test_hybrid_skips_the_head_while_the_lookup_matches_and_catches_up_exactly(target):
+    # Rounds 1 and 2 match in the context, so the head is skipped and their rows wait; round 3
+    # has no match, and the head reads the 5 waiting rows and the new one in one pass. Its
+    # cache and drafts must then be those of a head that ran every round.
+    import jax
+
+    from peagle_jax.drafters import DrafterConfig, create_drafter
+    from peagle_jax.drafters.drafting import DraftSettings, Pending
+    from peagle_jax.drafters.hybrid import HybridProposer
+    from peagle_jax.sampling import SamplingParams
+
+    cfg = DrafterConfig.for_target(target.config, num_layers=1, parallel_drafting=True, mask_token_id=VOCAB - 1)
+    head = create_drafter(cfg, seed=2)
+    deferring, every_round = HybridProposer(head, NgramProposer(2, 2), defer_rows=8), \
+        HybridProposer(head, NgramProposer(2, 2), defer_rows=0)
+    h = cfg.hidden_size
+    feats = jax.random.normal(jax.random.key(7), (1, 12, h), jnp.float32)
+    prompt = jnp.asarray([[1, 2, 3, 4, 1, 2]], jnp.int32)
+    caches = [d.prefill(prompt, feats[:, :6], jnp.arange(6)[None], 32) for d in (deferring, every_round)]
+    settings = DraftSettings(2, True, jax.random.key(0)[None], SamplingParams.full(1), True, VOCAB,
+                             jnp.zeros((1,), jnp.int32))
+    rounds = [([3, 4], 6), ([1, 2, 3], 8), ([9], 11)]  # accepted rows, position of the first
+    for i, (toks, base) in enumerate(rounds):
+        c = len(toks)
+        pending = Pending(jnp.asarray([toks + [0] * (3 - c)], jnp.int32),
+                          jnp.pad(feats[:, base:base + c], ((0, 0), (0, 3 - c), (0, 0))),
+                          jnp.asarray([c]), jnp.asarray([base]), jnp.asarray([True]))
+        got, ref = (d.propose(cache, pending, settings) for d, cache in zip((deferring, every_round), caches))
+        caches = [got.cache, ref.cache]
+        waiting = int(got.cache.deferred.count[0])
+        if i < 2:  # matched: the lookup's drafts, the head untouched, the rows waiting
+            assert got.tokens.tolist() == ref.tokens.tolist() and int(got.num_drafts[0]) == 2
+            assert waiting == [2, 5][i]
+            for a, b in zip(jax.tree.leaves(got.cache.head), jax.tree.leaves(deferring.prefill(
+                    prompt, feats[:, :6], jnp.arange(6)[None], 32).head)):
+                np.testing.assert_array_equal(a, b)
+        else:  # no match: the head caught up and drafted as if it had run every round
+            assert waiting == 0 and got.tokens.tolist() == ref.tokens.tolist()
+            for a, b in zip(got.cache.head.layers, ref.cache.head.layers):
+                np.testing.assert_allclose(a.k[:, :12], b.k[:, :12], atol=1e-5)
+                np.testing.assert_allclose(a.v[:, :12], b.v[:, :12], atol=1e-5)
+    # A full buffer makes the head run even on a match; a finished sequence never holds it up.
+    full = caches[0]._replace(deferred=caches[0].deferred._replace(count=jnp.asarray([7])))
+    pending = Pending(jnp.asarray([[3, 4, 0]], jnp.int32), jnp.zeros((1, 3, h)), jnp.asarray([2]), jnp.asarray([12]),
+                      jnp.asarray([True]))
+    assert int(deferring.propose(full, pending, settings).cache.deferred.count[0]) == 0
+    with pytest.raises(ValueError, match="defer_rows"):
+        HybridProposer(head, NgramProposer(), defer_rows=-1)
+
+
 def test_hybrid_head_drafts_fewer_and_the_round_verifies_only_those(target, reference):
     # A perfect head (the replay oracle) capped at 1 draft, and a lookup that never matches:
     # every round verifies 2 rows and accepts exactly 1 draft, never more, and the output is

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from peagle_jax import sampling
 from peagle_jax.cache import KVCache
@@ -39,6 +39,7 @@ class Pending(NamedTuple):
     feats: Float[Array, "B W H"] | None  # None for drafters that read no target features
     count: Int[Array, " B"]  # C valid rows per sequence
     base: Int[Array, " B"]  # position of row 0 (n_b - C)
+    active: Bool[Array, " B"] | None = None  # sequences still generating (a finished one's rows are stale)
 
 
 class DraftSettings(NamedTuple):

@@ -133,7 +133,7 @@ class SpecState(NamedTuple):
 def pending_rows(state: SpecState) -> Pending:
     """The rows accepted last round, which the next draft step feeds to the drafter."""
     n = state.target_cache.lengths
-    return Pending(state.pending_tokens, state.pending_feats, state.num_pending, n - state.num_pending)
+    return Pending(state.pending_tokens, state.pending_feats, state.num_pending, n - state.num_pending, ~state.done)
 
 
 def draft_settings(config: SpecConfig, state: SpecState, key: jax.Array, vocab: int) -> DraftSettings:
