@@ -152,7 +152,7 @@ def test_mixed_batch_against_real_server(tmp_path):
     serve = pytest.importorskip("peagle_jax.serve", reason="the server package peagle_jax.serve is not available")
     from benchmarks import common, mixed_batch
     from peagle_jax.checkpoints.default_model import default_model_path
-    from peagle_jax.checkpoints.tokenizer import eos_token_ids, load_tokenizer
+    from peagle_jax.checkpoints.tokenizer import load_tokenizer
     from peagle_jax.serve.testing import serve_in_thread
 
     tok = load_tokenizer(default_model_path())

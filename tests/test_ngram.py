@@ -170,18 +170,19 @@ def test_hybrid_skips_the_head_while_the_lookup_matches_and_catches_up_exactly(t
         pending = Pending(jnp.asarray([toks + [0] * (3 - c)], jnp.int32),
                           jnp.pad(feats[:, base:base + c], ((0, 0), (0, 3 - c), (0, 0))),
                           jnp.asarray([c]), jnp.asarray([base]), jnp.asarray([True]))
-        got, ref = (d.propose(cache, pending, settings) for d, cache in zip((deferring, every_round), caches))
+        got, ref = (d.propose(cache, pending, settings)
+                    for d, cache in zip((deferring, every_round), caches, strict=True))
         caches = [got.cache, ref.cache]
         waiting = int(got.cache.deferred.count[0])
         if i < 2:  # matched: the lookup's drafts, the head untouched, the rows waiting
             assert got.tokens.tolist() == ref.tokens.tolist() and int(got.num_drafts[0]) == 2
             assert waiting == [2, 5][i]
-            for a, b in zip(jax.tree.leaves(got.cache.head), jax.tree.leaves(deferring.prefill(
-                    prompt, feats[:, :6], jnp.arange(6)[None], 32).head)):
+            untouched = deferring.prefill(prompt, feats[:, :6], jnp.arange(6)[None], 32).head
+            for a, b in zip(jax.tree.leaves(got.cache.head), jax.tree.leaves(untouched), strict=True):
                 np.testing.assert_array_equal(a, b)
         else:  # no match: the head caught up and drafted as if it had run every round
             assert waiting == 0 and got.tokens.tolist() == ref.tokens.tolist()
-            for a, b in zip(got.cache.head.layers, ref.cache.head.layers):
+            for a, b in zip(got.cache.head.layers, ref.cache.head.layers, strict=True):
                 np.testing.assert_allclose(a.k[:, :12], b.k[:, :12], atol=1e-5)
                 np.testing.assert_allclose(a.v[:, :12], b.v[:, :12], atol=1e-5)
     # A full buffer makes the head run even on a match; a finished sequence never holds it up.
