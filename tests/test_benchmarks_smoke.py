@@ -96,20 +96,28 @@ def test_synthetic_pattern_model():
     assert abs(al - 2.0) < 0.1
 
 
-def test_online_against_real_server(tmp_path):
+def _tiny_server_app(*, with_eos: bool):
+    """A server app on a tiny random target with the default tokenizer and a random P-EAGLE head
+    (K=2, 2 slots). warmup=False: the benchmarks' own warm-up requests compile what they use."""
     serve = pytest.importorskip("peagle_jax.serve", reason="the server package peagle_jax.serve is not available")
-    from benchmarks import common, online
+    from benchmarks import common
     from peagle_jax.checkpoints.default_model import default_model_path
     from peagle_jax.checkpoints.tokenizer import eos_token_ids, load_tokenizer
-    from peagle_jax.serve.testing import serve_in_thread
 
     tok = load_tokenizer(default_model_path())
     target = common.tiny_target(len(tok), layers=2, seed=3)
     drafter = common.random_drafter(target, parallel=True, seed=4)
-    # warmup=False: the load generator's own warm-up request compiles the greedy round only.
     config = serve.ServeConfig(max_batch_size=2, max_model_len=512, num_draft_tokens=2, served_model_name="tiny",
                                warmup=False)
-    app = serve.create_app(config, target=target, drafter=drafter, tokenizer=tok, eos_ids=eos_token_ids(tok))
+    return serve.create_app(config, target=target, drafter=drafter, tokenizer=tok,
+                            eos_ids=eos_token_ids(tok) if with_eos else [])
+
+
+def test_online_against_real_server(tmp_path):
+    from benchmarks import online
+    from peagle_jax.serve.testing import serve_in_thread
+
+    app = _tiny_server_app(with_eos=True)
     out = tmp_path / "online"
     with serve_in_thread(app) as url:
         with pytest.raises(SystemExit, match="loopback"):
@@ -149,19 +157,11 @@ def test_round_cost_context_is_chat_text_ending_at_the_reply():
 
 @pytest.mark.slow
 def test_mixed_batch_against_real_server(tmp_path):
-    serve = pytest.importorskip("peagle_jax.serve", reason="the server package peagle_jax.serve is not available")
-    from benchmarks import common, mixed_batch
-    from peagle_jax.checkpoints.default_model import default_model_path
-    from peagle_jax.checkpoints.tokenizer import load_tokenizer
+    from benchmarks import mixed_batch
     from peagle_jax.serve.testing import serve_in_thread
 
-    tok = load_tokenizer(default_model_path())
-    target = common.tiny_target(len(tok), layers=2, seed=3)
-    drafter = common.random_drafter(target, parallel=True, seed=4)
-    config = serve.ServeConfig(max_batch_size=2, max_model_len=512, num_draft_tokens=2, served_model_name="tiny",
-                               warmup=False)
     # No EOS: the random target must not end either request early, so the neighbour outlives A.
-    app = serve.create_app(config, target=target, drafter=drafter, tokenizer=tok, eos_ids=[])
+    app = _tiny_server_app(with_eos=False)
     out = tmp_path / "mixed"
     with serve_in_thread(app) as url:
         run = mixed_batch.main(["--base-url", url + "/v1", "--repeats", "3", "--max-tokens", "6", "--out", str(out)])
