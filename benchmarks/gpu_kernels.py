@@ -81,8 +81,8 @@ def _make_inputs(key, b, t, h, kvh, d, ctx, kv_kind, copies):
     for i in range(copies):
         k1, k2 = jax.random.split(jax.random.fold_in(kk, i))
         # Generate in bf16 directly (no f32 temporaries at 32k x 64).
-        k = jax.random.normal(k1, (b, ctx, kvh, d), jnp.bfloat16)
-        v = jax.random.normal(k2, (b, ctx, kvh, d), jnp.bfloat16)
+        k = jax.random.normal(k1, (b, kvh, ctx, d), jnp.bfloat16)
+        v = jax.random.normal(k2, (b, kvh, ctx, d), jnp.bfloat16)
         if kv_kind == "fp8":
             k, ks = quantize_kv(k, "per_token")
             v, vs = quantize_kv(v, "per_token")

@@ -69,7 +69,7 @@ def prepare_scales(k_scale, v_scale, b: int, s: int, kvh: int):
     """Normalize k/v scales to the kernel layouts.
 
     Returns ``(mode, k_s, v_s)`` with mode None (no scales), "per_head" (k_s, v_s: ``[KVH]``
-    float32) or "per_token" (k_s, v_s: ``[B, S, KVH]`` float32). A missing one of the pair is
+    float32) or "per_token" (k_s, v_s: ``[B, KVH, S]`` float32). A missing one of the pair is
     filled with ones in the other's layout.
     """
     gk = scale_granularity(k_scale, b, s, kvh)
@@ -84,8 +84,8 @@ def prepare_scales(k_scale, v_scale, b: int, s: int, kvh: int):
         x = x.astype(jnp.float32)
         x = x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))
         if mode == "per_head":
-            return jnp.broadcast_to(x, (1, 1, kvh, 1)).reshape(kvh)
-        return jnp.broadcast_to(x, (b, s, kvh, 1)).reshape(b, s, kvh)
+            return jnp.broadcast_to(x, (1, kvh, 1, 1)).reshape(kvh)
+        return jnp.broadcast_to(x, (b, kvh, s, 1)).reshape(b, kvh, s)
 
     return mode, norm(k_scale), norm(v_scale)
 

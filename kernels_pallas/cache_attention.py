@@ -2,13 +2,19 @@
 
 Layout (shared with `peagle_jax.cache`):
   q            [B, T, H, D]     query rows of this step (already rotary-embedded)
-  k, v cache   [B, S, KVH, D]   row s holds the key/value of absolute position s
+  k, v cache   [B, KVH, S, D]   row s of head h holds the key/value of absolute position s
   q_positions  [B, T]           absolute position of each query row
 
 Query row (b, t) attends to cache rows s <= q_positions[b, t]. Rows above a sequence's
 committed length are never read by a query below them, so stale rows (rejected drafts,
 placeholder slots, prompt padding) need no clearing: causality by absolute position is the
 whole mask.
+
+The cache is heads-major (each kv head's rows contiguous) so that a step's attention is a
+batched matmul over (sequence, kv head) that reads the cache where it lies: with the rows
+first ([B, S, KVH, D]) XLA:CPU transposed and upcast the whole cache in every layer of every
+step, which cost more than the layer's projections (measured on 2 cores: 0.34 -> 0.12 ms per
+layer at one row and 448 cached positions, 9.1 -> 1.7 ms at 32 sequences x 4 rows).
 """
 
 from __future__ import annotations
@@ -19,14 +25,16 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-#: Query blocks up to this many rows (decode, verify, drafter steps) are attended row by row.
-ROWWISE_MAX_ROWS = 16
+#: Query blocks up to this many rows are attended row by row by default (0: never). The
+#: batched form is already row-invariant on XLA:CPU (tests/test_row_invariance.py), so this
+#: stays off; `benchmarks.forward_rows` sets it to compare both.
+ROWWISE_MAX_ROWS = 0
 
 
 def cache_attention_reference(
     q: Float[Array, "B T H D"],
-    k_cache: Float[Array, "B S KVH D"],
-    v_cache: Float[Array, "B S KVH D"],
+    k_cache: Float[Array, "B KVH S D"],
+    v_cache: Float[Array, "B KVH S D"],
     q_positions: Int[Array, "B T"],
     *,
     k_scale: Float[Array, "..."] | None = None,
@@ -36,46 +44,52 @@ def cache_attention_reference(
 ) -> Float[Array, "B T H D"]:
     """XLA reference: dense scores over the whole cache, fp32 softmax, GQA by reshaping.
 
-    ``rowwise`` (default: T <= ROWWISE_MAX_ROWS) attends one query row at a time, so every row
-    is computed by the same [G, D] x [D, S] products whatever T is. XLA:CPU picks its f32 dot
-    algorithm from the row count M = T * G, so a batched dot gives a row slightly different
-    values in a 1-row decode step and in a K+1-row verify; in bf16 those differences flip
-    near-tie argmaxes and break the promise that greedy speculative decoding emits exactly
-    the tokens of plain decoding. Long blocks (prefill) stay batched: both modes share them.
+    Both products take the cache in its own dtype and accumulate in float32 (bf16 x bf16 ->
+    f32 is the fast XNNPACK path on CPU; an fp32 upcast of the cache would copy all of it).
+    The probabilities are cast to the cache dtype for the second product, as flash attention
+    does. An FP8 or scaled cache is dequantized to float32 first; mixed dtypes promote.
+
+    Every query row of a (sequence, kv head) is one row of the same [T*G, D] x [D, S]
+    product, whose per-row result does not depend on T on XLA:CPU, so a 1-row decode step
+    and a K+1-row verify give a row the same values and greedy speculative decoding stays
+    token-identical to plain decoding (tests/test_row_invariance.py fails if that changes).
+    ``rowwise`` (default: T <= ROWWISE_MAX_ROWS) attends one query row at a time instead.
     """
     if rowwise is None:
         rowwise = q.shape[1] <= ROWWISE_MAX_ROWS
-    k = k_cache.astype(jnp.float32)
-    v = v_cache.astype(jnp.float32)
-    if k_scale is not None:  # FP8 cache: dequantize with per-head or per-token scales
-        k = k * k_scale.astype(jnp.float32)
-    if v_scale is not None:
-        v = v * v_scale.astype(jnp.float32)
+    k, v = k_cache, v_cache
+    if k_scale is not None or jnp.dtype(k.dtype).itemsize == 1:  # FP8 / scaled: dequantize in fp32
+        k = k.astype(jnp.float32) * (1.0 if k_scale is None else k_scale.astype(jnp.float32))
+    if v_scale is not None or jnp.dtype(v.dtype).itemsize == 1:
+        v = v.astype(jnp.float32) * (1.0 if v_scale is None else v_scale.astype(jnp.float32))
+    compute = jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype)  # no-op for one dtype
+    k, v = k.astype(compute), v.astype(compute)
     if sm_scale is None:
         sm_scale = 1.0 / float(q.shape[-1]) ** 0.5
     if not rowwise:
         return _attend(q, k, v, q_positions, sm_scale)
-
     # Unrolled (T is small): measured faster on XLA:CPU than a lax.map over the rows.
     rows = [_attend(q[:, t:t + 1], k, v, q_positions[:, t:t + 1], sm_scale) for t in range(q.shape[1])]
     return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)
 
 
 def _attend(
-    q: Float[Array, "B T H D"], k: Float[Array, "B S KVH D"], v: Float[Array, "B S KVH D"],
+    q: Float[Array, "B T H D"], k: Float[Array, "B KVH S D"], v: Float[Array, "B KVH S D"],
     q_positions: Int[Array, "B T"], sm_scale: float,
 ) -> Float[Array, "B T H D"]:
-    """Causal-by-position attention of T rows to fp32 K/V (GQA by reshaping)."""
+    """Causal-by-position attention of T rows; the G query heads of a kv head and the T rows
+    form one [T*G, D] block per (sequence, kv head)."""
     b, t, h, d = q.shape
-    kvh = k.shape[2]
-    qg = q.astype(jnp.float32).reshape(b, t, kvh, h // kvh, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k) * sm_scale
-    key_idx = jnp.arange(k.shape[1])
-    mask = key_idx[None, None, :] <= q_positions[:, :, None]  # [B, T, S]
-    scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
+    kvh, s = k.shape[1], k.shape[2]
+    g = h // kvh
+    qg = q.astype(k.dtype).reshape(b, t, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, t * g, d)
+    scores = jnp.einsum("bkqd,bksd->bkqs", qg, k, preferred_element_type=jnp.float32) * sm_scale
+    mask = jnp.arange(s)[None, None, :] <= q_positions[:, :, None]  # [B, T, S]
+    mask = jnp.repeat(mask, g, axis=1)  # [B, T*G, S], row t*G + g
+    scores = jnp.where(mask[:, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, t, h, d).astype(q.dtype)
+    out = jnp.einsum("bkqs,bksd->bkqd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(b, kvh, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d).astype(q.dtype)
 
 
 IMPLEMENTATIONS = ("xla", "triton", "mosaic", "auto")
@@ -195,8 +209,8 @@ def resolve_implementation(
 
 def cache_attention(
     q: Float[Array, "B T H D"],
-    k_cache: Float[Array, "B S KVH D"],
-    v_cache: Float[Array, "B S KVH D"],
+    k_cache: Float[Array, "B KVH S D"],
+    v_cache: Float[Array, "B KVH S D"],
     q_positions: Int[Array, "B T"],
     *,
     k_scale: Float[Array, "..."] | None = None,
@@ -216,7 +230,7 @@ def cache_attention(
         q_dtype=q.dtype,
         kv_dtype=k_cache.dtype,
         head_dim=q.shape[-1],
-        seq_len=k_cache.shape[1],
+        seq_len=k_cache.shape[2],
         interpret=interpret,
     )
     if impl == "xla":

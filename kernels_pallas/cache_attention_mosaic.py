@@ -7,7 +7,7 @@ Structure (``plgpu.kernel``, one warpgroup per CTA, grid ``(B, KVH, query blocks
 * The ``T * G`` query rows that share one kv head are one ``[64, D]`` tile in SMEM (wgmma's M is
   64 per warpgroup; rows padded, see `kernels_pallas._common`), loaded once by TMA, so each K/V
   block is read once from HBM for all G heads (GQA reuse).
-* K/V blocks ``[BK, D]`` are TMA-copied straight out of the ``[B, S, KVH, D]`` cache (a strided
+* K/V blocks ``[BK, D]`` are TMA-copied straight out of the ``[B, KVH, S, D]`` cache (a contiguous
   2-D box, no relayout) into a ring of ``num_slots`` buffers: blocks j+1 .. j+num_slots-1 are
   in flight while block j is computed, and a slot is refilled as soon as block j is done.
 * ``S = Q @ K.T`` and ``O += P @ V`` are wgmma with float32 accumulators; online softmax in
@@ -151,7 +151,7 @@ def _kernel(
     plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_smem, q_bar)
 
     def issue(j, slot):
-        src = (b, pl.ds(j * block_k, block_k), h)
+        src = (b, h, pl.ds(j * block_k, block_k))
         plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar.at[slot])
 
@@ -174,8 +174,8 @@ def _kernel(
     def upcast(src_smem, dst_smem, scale_ref, j):
         x = src_smem[...].astype(jnp.float32)  # [BK, D]
         if scale_mode == "per_token":
-            # [B, S, KVH] scales, read in place (stride KVH): no relayout pass over them.
-            sc = load_vec(scale_ref.at[b, pl.ds(j * block_k, block_k), h], row_layout)
+            # [B, KVH, S] scales, read in place: no relayout pass over them.
+            sc = load_vec(scale_ref.at[b, h, pl.ds(j * block_k, block_k)], row_layout)
             x = x * lax.broadcast_in_dim(sc, x.shape, [0])
         dst_smem[...] = x.astype(dtype)
         plgpu.commit_smem()
@@ -287,7 +287,7 @@ def cache_attention_mosaic(
     ``InterpretGPUParams`` instance (e.g. with ``detect_races=True``).
     """
     b, t, h, d = q.shape
-    _, s, kvh, dk = k_cache.shape
+    _, kvh, s, dk = k_cache.shape
     if dk != d or v_cache.shape != k_cache.shape or k_cache.shape[0] != b:
         raise ValueError(f"shape mismatch: q {q.shape}, k {k_cache.shape}, v {v_cache.shape}")
     if h % kvh:

@@ -1,7 +1,7 @@
 """Cache attention as a Pallas kernel lowered through Triton (GPU) or interpreted (CPU).
 
 Same contract as `kernels_pallas.cache_attention.cache_attention_reference`:
-q ``[B, T, H, D]``, k/v cache ``[B, S, KVH, D]`` (row s = absolute position s),
+q ``[B, T, H, D]``, k/v cache ``[B, KVH, S, D]`` (row s = absolute position s),
 q_positions ``[B, T]``; query row (b, t) attends to cache rows ``s <= q_positions[b, t]``.
 
 Kernel structure (one program per (batch, kv head, query block, kv split)):
@@ -166,7 +166,7 @@ def cache_attention_triton(
 ):
     """Pallas (Triton lowering) cache attention; see the module docstring."""
     b, t, h, d = q.shape
-    _, s, kvh, dk = k_cache.shape
+    _, kvh, s, dk = k_cache.shape
     if dk != d or v_cache.shape != k_cache.shape or k_cache.shape[0] != b:
         raise ValueError(f"shape mismatch: q {q.shape}, k {k_cache.shape}, v {v_cache.shape}")
     if h % kvh:
@@ -189,14 +189,14 @@ def cache_attention_triton(
         bk //= 2
     if s % bk:  # S not a multiple of 16: pad the cache (copies it; avoid such S in serving)
         s_pad = -(-s // 16) * 16
-        padw = ((0, 0), (0, s_pad - s), (0, 0), (0, 0))
+        padw = ((0, 0), (0, 0), (0, s_pad - s), (0, 0))
         k_cache, v_cache = jnp.pad(k_cache, padw), jnp.pad(v_cache, padw)
         bk = 16
-    s_eff = k_cache.shape[1]
+    s_eff = k_cache.shape[2]
 
     scale_mode, ks, vs = prepare_scales(k_scale, v_scale, b, s, kvh)
     if scale_mode == "per_token" and s_eff != s:
-        padw = ((0, 0), (0, s_eff - s), (0, 0))
+        padw = ((0, 0), (0, 0), (0, s_eff - s))
         ks, vs = jnp.pad(ks, padw), jnp.pad(vs, padw)
 
     if num_splits is None:
@@ -216,8 +216,8 @@ def cache_attention_triton(
     grid = (b, kvh, n_q, num_splits)
     in_specs = [
         pl.BlockSpec((None, None, bm, d), lambda i, j, qb, sp: (i, j, qb, 0)),
-        pl.BlockSpec((None, s_eff, None, d), lambda i, j, qb, sp: (i, 0, j, 0)),
-        pl.BlockSpec((None, s_eff, None, d), lambda i, j, qb, sp: (i, 0, j, 0)),
+        pl.BlockSpec((None, None, s_eff, d), lambda i, j, qb, sp: (i, j, 0, 0)),
+        pl.BlockSpec((None, None, s_eff, d), lambda i, j, qb, sp: (i, j, 0, 0)),
         pl.BlockSpec((None, bm), lambda i, j, qb, sp: (i, qb)),
     ]
     args = [qr, k_cache, v_cache, pos]
@@ -226,7 +226,7 @@ def cache_attention_triton(
         in_specs += [spec, spec]
         args += [ks, vs]
     elif scale_mode == "per_token":
-        spec = pl.BlockSpec((None, s_eff, None), lambda i, j, qb, sp: (i, 0, j))
+        spec = pl.BlockSpec((None, None, s_eff), lambda i, j, qb, sp: (i, j, 0))
         in_specs += [spec, spec]
         args += [ks, vs]
 

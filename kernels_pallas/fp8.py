@@ -1,13 +1,13 @@
 """FP8 (float8_e4m3fn) storage for the KV cache: amax-scaled quantize / dequantize.
 
-Layout follows `kernels_pallas.cache_attention`: a K or V cache is ``[B, S, KVH, D]``.
+Layout follows `kernels_pallas.cache_attention`: a K or V cache is ``[B, KVH, S, D]``.
 
 Two scale granularities:
 
-* ``"per_token"``: one scale per (sequence, position, kv head): scale ``[B, S, KVH, 1]``.
+* ``"per_token"``: one scale per (sequence, kv head, position): scale ``[B, KVH, S, 1]``.
   Each row of ``D`` values is scaled so that its largest magnitude maps to 448, the largest
   finite e4m3fn value. Best accuracy; scales cost ``4 / D`` bytes per stored element.
-* ``"per_head"``: one scale per kv head over the whole tensor: scale ``[1, 1, KVH, 1]``.
+* ``"per_head"``: one scale per kv head over the whole tensor: scale ``[1, KVH, 1, 1]``.
 
 The dequantized value is ``x_fp8.astype(f32) * scale`` (this is what
 `cache_attention_reference` does with ``k_scale`` / ``v_scale``). e4m3fn has 3 mantissa bits, so
@@ -30,14 +30,14 @@ Granularity = Literal["per_token", "per_head"]
 
 
 def compute_scale(x: jax.Array, granularity: Granularity = "per_token") -> jax.Array:
-    """amax / 448 scale of a ``[B, S, KVH, D]`` tensor, in float32."""
+    """amax / 448 scale of a ``[B, KVH, S, D]`` tensor (or rows ``[B, T, KVH, D]`` per token), in float32."""
     if x.ndim != 4:
-        raise ValueError(f"expected a [B, S, KVH, D] tensor, got shape {x.shape}")
+        raise ValueError(f"expected a [B, KVH, S, D] tensor, got shape {x.shape}")
     ax = jnp.abs(x.astype(jnp.float32))
     if granularity == "per_token":
-        amax = jnp.max(ax, axis=-1, keepdims=True)  # [B, S, KVH, 1]
+        amax = jnp.max(ax, axis=-1, keepdims=True)  # [B, KVH, S, 1]
     elif granularity == "per_head":
-        amax = jnp.max(ax, axis=(0, 1, 3), keepdims=True)  # [1, 1, KVH, 1]
+        amax = jnp.max(ax, axis=(0, 2, 3), keepdims=True)  # [1, KVH, 1, 1]
     else:
         raise ValueError(f"unknown granularity {granularity!r}; known: 'per_token', 'per_head'")
     return jnp.maximum(amax, _TINY) / FP8_MAX
@@ -52,10 +52,10 @@ def quantize_with_scale(x: jax.Array, scale: jax.Array) -> jax.Array:
 def quantize_kv(
     x: jax.Array, granularity: Granularity = "per_token"
 ) -> tuple[jax.Array, jax.Array]:
-    """Quantize a ``[B, S, KVH, D]`` K or V tensor to float8_e4m3fn.
+    """Quantize a ``[B, KVH, S, D]`` K or V tensor to float8_e4m3fn.
 
-    Returns ``(x_fp8, scale)`` with scale ``[B, S, KVH, 1]`` ("per_token") or
-    ``[1, 1, KVH, 1]`` ("per_head"), float32, such that ``dequantize(x_fp8, scale)`` ~ ``x``.
+    Returns ``(x_fp8, scale)`` with scale ``[B, KVH, S, 1]`` ("per_token") or
+    ``[1, KVH, 1, 1]`` ("per_head"), float32, such that ``dequantize(x_fp8, scale)`` ~ ``x``.
     """
     scale = compute_scale(x, granularity)
     return quantize_with_scale(x, scale), scale
@@ -67,10 +67,10 @@ def dequantize(x_fp8: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Arr
 
 
 def scale_granularity(scale: jax.Array | None, b: int, s: int, kvh: int) -> str | None:
-    """Classify a scale array for a ``[B, S, KVH, D]`` cache: None / "per_head" / "per_token".
+    """Classify a scale array for a ``[B, KVH, S, D]`` cache: None / "per_head" / "per_token".
 
-    "per_head" is any shape that broadcasts to ``[1, 1, KVH, 1]`` (a scalar too);
-    "per_token" is any shape that broadcasts to ``[B, S, KVH, 1]`` and varies over B or S.
+    "per_head" is any shape that broadcasts to ``[1, KVH, 1, 1]`` (a scalar too);
+    "per_token" is any shape that broadcasts to ``[B, KVH, S, 1]`` and varies over B or S.
     """
     if scale is None:
         return None
@@ -80,9 +80,9 @@ def scale_granularity(scale: jax.Array | None, b: int, s: int, kvh: int) -> str 
     shape = (1,) * (4 - len(shape)) + shape
     if shape[3] != 1:
         raise ValueError(f"scale must have a trailing dimension of 1, got {scale.shape}")
-    for got, full in zip(shape[:3], (b, s, kvh), strict=True):
+    for got, full in zip(shape[:3], (b, kvh, s), strict=True):
         if got not in (1, full):
-            raise ValueError(f"scale shape {scale.shape} does not broadcast to {(b, s, kvh, 1)}")
-    if shape[0] == 1 and shape[1] == 1:
+            raise ValueError(f"scale shape {scale.shape} does not broadcast to {(b, kvh, s, 1)}")
+    if shape[0] == 1 and shape[2] == 1:
         return "per_head"
     return "per_token"

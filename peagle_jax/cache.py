@@ -1,6 +1,8 @@
 """KV cache as a plain pytree: one (k, v) pair per layer, rows indexed by absolute position.
 
-Row s of a sequence's cache holds the key/value of the token at absolute position s. A step
+Row s of a sequence's cache (per kv head: [B, KVH, S, D], heads-major so attention reads
+each head's rows in place; see kernels_pallas.cache_attention) holds the key/value of the
+token at absolute position s. A step
 that processes T new rows writes them at their positions (scatter; rows past the capacity are
 dropped) and attends causally by position, so a committed length per sequence is the only
 bookkeeping: rows above it (rejected drafts, placeholder slots, prompt padding) are dead and
@@ -18,10 +20,10 @@ from jaxtyping import Array, Float, Int
 class LayerKV(NamedTuple):
     """One layer's K/V. An FP8 (float8_e4m3fn) cache keeps per-token scales beside it."""
 
-    k: Float[Array, "B S KVH D"]
-    v: Float[Array, "B S KVH D"]
-    k_scale: Float[Array, "B S KVH 1"] | None = None
-    v_scale: Float[Array, "B S KVH 1"] | None = None
+    k: Float[Array, "B KVH S D"]
+    v: Float[Array, "B KVH S D"]
+    k_scale: Float[Array, "B KVH S 1"] | None = None
+    v_scale: Float[Array, "B KVH S 1"] | None = None
 
     @property
     def is_fp8(self) -> bool:
@@ -55,7 +57,7 @@ class KVCache(NamedTuple):
 
     @property
     def capacity(self) -> int:
-        return self.layers[0].k.shape[1]
+        return self.layers[0].k.shape[2]
 
     @classmethod
     def zeros(
@@ -67,10 +69,10 @@ class KVCache(NamedTuple):
         head_dim: int,
         dtype=jnp.float32,
     ) -> KVCache:
-        shape = (batch_size, capacity, num_kv_heads, head_dim)
+        shape = (batch_size, num_kv_heads, capacity, head_dim)
         dtype = jnp.dtype(dtype)
         if dtype == jnp.float8_e4m3fn:
-            scale_shape = shape[:3] + (1,)
+            scale_shape = shape[:3] + (1,)  # per (sequence, head, position)
             make = lambda: LayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
                                    jnp.zeros(scale_shape, jnp.float32), jnp.zeros(scale_shape, jnp.float32))
         elif jnp.issubdtype(dtype, jnp.floating):
@@ -85,11 +87,12 @@ class KVCache(NamedTuple):
 
 
 def write_rows(
-    cache: Float[Array, "B S KVH D"], rows: Float[Array, "B T KVH D"], positions: Int[Array, "B T"]
-) -> Float[Array, "B S KVH D"]:
+    cache: Float[Array, "B KVH S D"], rows: Float[Array, "B T KVH D"], positions: Int[Array, "B T"]
+) -> Float[Array, "B KVH S D"]:
     """Write T rows per sequence at their absolute positions; positions >= S are dropped."""
     b = jnp.arange(cache.shape[0])[:, None]
-    return cache.at[b, positions].set(rows.astype(cache.dtype), mode="drop")
+    # Advanced indices split by a slice: the indexed view is [B, T, KVH, D], the rows' layout.
+    return cache.at[b, :, positions].set(rows.astype(cache.dtype), mode="drop")
 
 
 class TokenHistory(NamedTuple):
@@ -118,7 +121,7 @@ def shard_cache(cache: KVCache, mesh) -> KVCache:
         return cache
     from peagle_jax.sharding import cache_spec, constrain
 
-    b, _, kvh, _ = cache.layers[0].k.shape
+    b, kvh, _, _ = cache.layers[0].k.shape
     spec = cache_spec(b, kvh, mesh)
     layers = tuple(LayerKV(*(None if a is None else constrain(a, spec, mesh) for a in layer)) for layer in cache.layers)
     return cache._replace(layers=layers, lengths=constrain(cache.lengths, type(spec)(spec[0]), mesh))

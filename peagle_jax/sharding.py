@@ -137,8 +137,8 @@ def shard_module(module: nnx.Module, mesh: Mesh | None) -> nnx.Module:
 
 
 def cache_spec(batch: int, num_kv_heads: int, mesh: Mesh) -> P:
-    """KV cache [B, S, KVH, D]: batch over data, KV heads over model."""
-    return logical_to_spec(("batch", None, "kv_heads", None), (batch, 1, num_kv_heads, 1), mesh)
+    """KV cache [B, KVH, S, D]: batch over data, KV heads over model."""
+    return logical_to_spec(("batch", "kv_heads", None, None), (batch, num_kv_heads, 1, 1), mesh)
 
 
 def constrain(x: jax.Array, spec: P, mesh: Mesh | None) -> jax.Array:
@@ -154,13 +154,14 @@ def sharded_attention(attn_fn, mesh: Mesh, batch: int, num_kv_heads: int, *, fp8
     KV heads over `model` keeps every query head with its KV head on the same device.
     """
     kv = cache_spec(batch, num_kv_heads, mesh)
+    rows = P(kv[0], None, kv[1], None)  # q and the output [B, T, H, D]: heads split like the kv heads
     pos = P(kv[0], None)
-    if fp8:  # K/V scales [B, S, KVH, 1] shard like the cache
+    if fp8:  # K/V scales [B, KVH, S, 1] shard like the cache
         def fn(q, k, v, p, ks, vs):
             return attn_fn(q, k, v, p, k_scale=ks, v_scale=vs)
 
-        return jax.shard_map(fn, mesh=mesh, in_specs=(kv, kv, kv, pos, kv, kv), out_specs=kv, check_vma=False)
-    return jax.shard_map(attn_fn, mesh=mesh, in_specs=(kv, kv, kv, pos), out_specs=kv, check_vma=False)
+        return jax.shard_map(fn, mesh=mesh, in_specs=(rows, kv, kv, pos, kv, kv), out_specs=rows, check_vma=False)
+    return jax.shard_map(attn_fn, mesh=mesh, in_specs=(rows, kv, kv, pos), out_specs=rows, check_vma=False)
 
 
 def maybe_initialize_distributed() -> bool:

@@ -46,7 +46,7 @@ def test_fp8_kv_cache_accuracy_and_exactness():
     configure_inference(target, kv_cache_dtype="float8_e4m3fn")
     configure_inference(drafter, kv_cache_dtype="float8_e4m3fn")
     cache = target.init_cache(1, 32)
-    assert cache.layers[0].k.dtype == jnp.float8_e4m3fn and cache.layers[0].k_scale.shape == (1, 32, 2, 1)
+    assert cache.layers[0].k.dtype == jnp.float8_e4m3fn and cache.layers[0].k_scale.shape == (1, 2, 32, 1)
     fp8 = _logits(target, tokens)
     rel = np.abs(fp8 - base).max() / np.abs(base).max()
     assert 0 < rel < 0.05, rel  # quantization really happens, and costs little

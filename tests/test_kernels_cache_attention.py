@@ -58,8 +58,8 @@ cpu_only = pytest.mark.skipif(ON_GPU, reason="checks the CPU fallback")
 def _make(b, t, kvh, g, s, d, dtype, *, positions="ragged", seed=0, fp8=None):
     ks = jax.random.split(jax.random.PRNGKey(seed), 5)
     q = jax.random.normal(ks[0], (b, t, kvh * g, d), jnp.float32).astype(dtype)
-    k = jax.random.normal(ks[1], (b, s, kvh, d), jnp.float32).astype(dtype)
-    v = jax.random.normal(ks[2], (b, s, kvh, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (b, kvh, s, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (b, kvh, s, d), jnp.float32).astype(dtype)
     if positions == "ragged":
         # Per-sequence committed lengths: one at the start of the cache, one near its end, the
         # rest anywhere (so most of the cache lies far above most sequences' positions).
@@ -180,7 +180,7 @@ def test_rows_past_max_position_are_never_read(impl):
     pos = jnp.asarray([[60, 61, 62, 63], [100, 101, 102, 103]], jnp.int32)
     ref = _reference(q, k, v, pos)
     first_unused = jnp.asarray([64, 128])[:, None, None, None]  # first block boundary above
-    rows = jnp.arange(s)[None, :, None, None]
+    rows = jnp.arange(s)[None, None, :, None]
     v_nan = jnp.where(rows >= first_unused, jnp.nan, v.astype(jnp.float32)).astype(v.dtype)
     k_nan = jnp.where(rows >= first_unused, jnp.nan, k.astype(jnp.float32)).astype(k.dtype)
     fn = cache_attention_triton if impl == "triton" else cache_attention_mosaic
@@ -196,15 +196,15 @@ def test_rows_past_max_position_are_never_read(impl):
 @pytest.mark.parametrize("granularity", ["per_token", "per_head"])
 def test_fp8_round_trip(granularity):
     b, s, kvh, d = 2, 16, 3, 64
-    x = jax.random.normal(jax.random.PRNGKey(1), (b, s, kvh, d), jnp.float32) * 3.0
+    x = jax.random.normal(jax.random.PRNGKey(1), (b, kvh, s, d), jnp.float32) * 3.0
     x = x.at[0, 0, 0].set(0.0)  # an all-zero row must stay finite and exact
-    x = x.at[1, 2, 1, :4].set(jnp.array([1e-4, -2e-4, 1e3, -1e3]))  # wide dynamic range
+    x = x.at[1, 1, 2, :4].set(jnp.array([1e-4, -2e-4, 1e3, -1e3]))  # wide dynamic range
     xq, scale = quantize_kv(x, granularity)
     assert xq.dtype == FP8_DTYPE
-    want = (b, s, kvh, 1) if granularity == "per_token" else (1, 1, kvh, 1)
+    want = (b, kvh, s, 1) if granularity == "per_token" else (1, kvh, 1, 1)
     assert scale.shape == want and scale.dtype == jnp.float32
     # amax maps to 448: the largest |q| in each scale group is exactly FP8_MAX.
-    axes = (3,) if granularity == "per_token" else (0, 1, 3)
+    axes = (3,) if granularity == "per_token" else (0, 2, 3)
     qmax = jnp.max(jnp.abs(xq.astype(jnp.float32)), axis=axes)
     nonzero = jnp.max(jnp.abs(x), axis=axes) > 0
     assert bool(jnp.all(jnp.where(nonzero, qmax == FP8_MAX, True)))
@@ -313,11 +313,11 @@ def test_gpu_dispatch_runs_each_implementation(caplog):
 
 def _lower(fn, b, t, kvh, g, s, d, dtype, fp8=None, **kw):
     q = jax.ShapeDtypeStruct((b, t, kvh * g, d), dtype)
-    kv = jax.ShapeDtypeStruct((b, s, kvh, d), FP8_DTYPE if fp8 else dtype)
+    kv = jax.ShapeDtypeStruct((b, kvh, s, d), FP8_DTYPE if fp8 else dtype)
     pos = jax.ShapeDtypeStruct((b, t), jnp.int32)
     args = [q, kv, kv, pos]
     if fp8:
-        shape = (b, s, kvh, 1) if fp8 == "per_token" else (1, 1, kvh, 1)
+        shape = (b, kvh, s, 1) if fp8 == "per_token" else (1, kvh, 1, 1)
         args += [jax.ShapeDtypeStruct(shape, jnp.float32)] * 2
 
     def f(q, k, v, pos, ks=None, vs=None):
@@ -366,3 +366,44 @@ def test_mosaic_lowers_for_cuda(case):
     *shape, dtype, fp8, splits = case
     text = _lower(cache_attention_mosaic, *shape, jnp.dtype(dtype), fp8, num_splits=splits)
     assert "mosaic_gpu" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# The XLA reference against a float64 numpy loop (the kernels above are checked against it)
+
+
+def _numpy_attention(q, k, v, pos):
+    """One query row and head at a time, in float64: the definition, no layout tricks."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    pos = np.asarray(pos)
+    b, t, h, d = q.shape
+    g = h // k.shape[1]
+    out = np.zeros_like(q)
+    for bi in range(b):
+        for ti in range(t):
+            for hi in range(h):
+                keys, vals = k[bi, hi // g, : pos[bi, ti] + 1], v[bi, hi // g, : pos[bi, ti] + 1]
+                s = keys @ q[bi, ti, hi] / np.sqrt(d)
+                p = np.exp(s - s.max())
+                out[bi, ti, hi] = (p / p.sum()) @ vals
+    return out
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_reference_matches_numpy(dtype, tol, rowwise):
+    q, k, v, pos, _ = _make(2, 5, 2, 3, 48, 16, jnp.dtype(dtype), positions="scattered")
+    want = _numpy_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), pos)
+    got = np.asarray(jax.jit(cache_attention_reference, static_argnames="rowwise")(q, k, v, pos, rowwise=rowwise),
+                     np.float64)
+    assert np.max(np.abs(got - want) / (1 + np.abs(want))) < tol
+
+
+def test_reference_rows_do_not_depend_on_the_row_count():
+    """Row t of a T-row call has the bits of the same row attended alone (bf16, XLA:CPU or GPU)."""
+    q, k, v, pos, _ = _make(3, 8, 3, 3, 96, 64, jnp.bfloat16)
+    attend = jax.jit(cache_attention_reference)
+    full = np.asarray(attend(q, k, v, pos).astype(jnp.float32))
+    for t in range(q.shape[1]):
+        alone = np.asarray(attend(q[:, t:t + 1], k, v, pos[:, t:t + 1]).astype(jnp.float32))
+        assert np.array_equal(alone[:, 0], full[:, t]), f"row {t} differs between a 1-row and an 8-row call"

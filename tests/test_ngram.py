@@ -183,8 +183,8 @@ def test_hybrid_skips_the_head_while_the_lookup_matches_and_catches_up_exactly(t
         else:  # no match: the head caught up and drafted as if it had run every round
             assert waiting == 0 and got.tokens.tolist() == ref.tokens.tolist()
             for a, b in zip(got.cache.head.layers, ref.cache.head.layers, strict=True):
-                np.testing.assert_allclose(a.k[:, :12], b.k[:, :12], atol=1e-5)
-                np.testing.assert_allclose(a.v[:, :12], b.v[:, :12], atol=1e-5)
+                np.testing.assert_allclose(a.k[:, :, :12], b.k[:, :, :12], atol=1e-5)
+                np.testing.assert_allclose(a.v[:, :, :12], b.v[:, :, :12], atol=1e-5)
     # A full buffer makes the head run even on a match; a finished sequence never holds it up.
     full = caches[0]._replace(deferred=caches[0].deferred._replace(count=jnp.asarray([7])))
     pending = Pending(jnp.asarray([[3, 4, 0]], jnp.int32), jnp.zeros((1, 3, h)), jnp.asarray([2]), jnp.asarray([12]),
