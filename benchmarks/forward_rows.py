@@ -2,12 +2,14 @@
 
 A speculative round verifies K+1 rows where plain decoding runs 1, so the price of a row
 decides where speculation breaks even. This times one jitted target forward over R rows at a
-fixed context, for each R, under each combination of the two switchable measures that keep a
-row's logits independent of R (see the README, "Exact in bf16"):
-  * `step_jit`'s compiler option (YNN fusions limited to single dots), on / off;
-  * row-wise cache attention for blocks of <= 16 rows, on / off.
-The third measure (no one-row dots) is always on. Also reports whether row 0's logits are
-bitwise the same for every R (they must be with both measures on).
+fixed context, for each R, under each combination of two switches (see the README, "Exact
+in bf16"):
+  * `step_jit`'s compiler option (YNN fusions limited to single dots), on / off: needed for
+    row invariance;
+  * row-wise cache attention for blocks of <= 16 rows, on / off: no longer needed (the batched
+    heads-major attention is row-invariant, so it is off by default); kept to compare costs.
+The no-one-row-dots measure is always on. Also reports whether row 0's logits are bitwise the
+same for every R (they must be with the compiler option on).
 
   .venv/bin/python -m benchmarks.forward_rows [--target default] [--dtype bfloat16]
       [--rows 1 2 4 8 16] [--context 256] [--repeats 20] [--out results/forward_rows]

@@ -1,12 +1,12 @@
 """KV cache as a plain pytree: one (k, v) pair per layer, rows indexed by absolute position.
 
-Row s of a sequence's cache (per kv head: [B, KVH, S, D], heads-major so attention reads
-each head's rows in place; see kernels_pallas.cache_attention) holds the key/value of the
-token at absolute position s. A step
-that processes T new rows writes them at their positions (scatter; rows past the capacity are
-dropped) and attends causally by position, so a committed length per sequence is the only
-bookkeeping: rows above it (rejected drafts, placeholder slots, prompt padding) are dead and
-get overwritten by the next step's writes before any query can read them.
+Row s of a sequence's cache holds the key/value of the token at absolute position s; the
+layout is heads-major, [B, KVH, S, D], so attention reads each kv head's rows in place (see
+kernels_pallas.cache_attention). A step that processes T new rows writes them at their
+positions (scatter; rows past the capacity are dropped) and attends causally by position, so
+a committed length per sequence is the only bookkeeping: rows above it (rejected drafts,
+placeholder slots, prompt padding) are dead and get overwritten by the next step's writes
+before any query can read them.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@ share its forward, so greedy speculative decoding emits exactly plain decoding's
 
 XLA:CPU picks kernels by row count: a one-row dot (plain decoding), a K+1-row dot (verify)
 and a dot fused with its neighbours round differently unless `models.layers.matmul`, the
-row-wise cache attention and `generate.steps.STEP_COMPILER_OPTIONS` keep every row on the
-same path. These tests fail on a batch-variant path.
+cache attention's one batched product per (sequence, kv head) over a heads-major cache and
+`generate.steps.STEP_COMPILER_OPTIONS` keep every row on the same path. These tests fail on a
+batch-variant path.
 """
 
 from __future__ import annotations
