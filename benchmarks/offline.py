@@ -19,8 +19,8 @@ What is measured, per (dataset, method, K, batch size), all in ONE run:
   * speed-up over method "none" and over the best EAGLE-3 K, at the same batch size.
 Methods are interleaved per prompt batch (rotating their order) so the ratios share machine
 state. Compilation is excluded: before the first timed call of each shape (method, K, batch,
-prompt bucket) an identical untimed call compiles it. Prompts are right-padded to power-of-two
-buckets (>= 16 tokens) by `speculative_generate`, so a new bucket costs one more warm-up.
+prompt bucket) an identical untimed call compiles it. Prompts are right-padded to buckets
+(16, 24, 32, 48, ...: `prompt_bucket`) by `speculative_generate`, so a new bucket costs one more warm-up.
 The last, incomplete batch of a batch size is filled with prompts from the start of the set
 (their tokens count; they are real work).
 Greedy outputs must be identical across methods (speculative decoding is exact): every

@@ -109,6 +109,18 @@ def test_no_recompile_for_new_prompts_of_same_bucket(target, drafter):
     assert _generate_jit._cache_size() == before
 
 
+def test_prompt_buckets_step_by_half_powers_of_two():
+    from peagle_jax.generate import prompt_bucket
+
+    assert [prompt_bucket(n) for n in (1, 16, 17, 24, 25, 33, 180, 193, 257)] == [16, 16, 24, 24, 32, 48, 192, 256, 384]
+    assert prompt_bucket(5, 1) == 6 and prompt_bucket(7, 3) == 9
+    for n in range(1, 2000):  # smallest bucket that holds n, padding under a third of it past the minimum
+        b = prompt_bucket(n)
+        assert b >= n and (n <= 16 or 3 * (b - n) < b)
+    with pytest.raises(ValueError, match="positive"):
+        prompt_bucket(0)
+
+
 def test_bad_arguments(target, drafter):
     # TypeError: SpecConfig's Literal annotation, when the tests' type checks are on (conftest.py)
     with pytest.raises((ValueError, TypeError), match="method"):

@@ -44,11 +44,21 @@ class GenerationResult:
 
 
 def prompt_bucket(length: int, minimum: int = 16) -> int:
-    """Pad prompts to the next power of two so new lengths rarely recompile."""
-    b = minimum
-    while b < length:
-        b *= 2
-    return b
+    """The padded prompt length: the smallest of minimum * {1, 1.5, 2, 3, 4, 6, ...} >= length.
+
+    Buckets bound recompiles to two per doubling of the prompt length. The half steps between
+    powers of two cap the padding at a third of the bucket instead of a half: prefill
+    computes every padded row, and at batch 1 on a CPU a 180-token prompt prefilled at 256
+    rows spent ~30% of its prefill (~10 decode steps) on padding.
+    """
+    if length < 1 or minimum < 1:
+        raise ValueError(f"prompt length and bucket minimum must be positive, got {length} and {minimum}")
+    power = minimum
+    while True:
+        for bucket in (power, power * 3 // 2):
+            if bucket >= length:
+                return bucket
+        power *= 2
 
 
 def cache_capacity(prompt_bucket_len: int, max_new_tokens: int, num_draft: int) -> int:

@@ -7,7 +7,7 @@ sequences: a round computes R rows, not B, so idle capacity costs nothing. Each 
   1. cancellations / stop-string hits -> rows marked done (jitted `finish_sequences`);
   2. admission: waiting requests get free rows, the batch growing to a larger bucket first if
      needed (the rows are copied into a larger empty state: `insert_sequences`); they are
-     prefilled together (jitted `prefill`, prompt length bucketed to a power of two, batch
+     prefilled together (jitted `prefill`, prompt length bucketed by `prompt_bucket`, batch
      padded to a power of two) and written into their rows (`insert_sequences`: every
      per-sequence array, both KV caches);
   3. one speculative round over the R rows (jitted `spec_round`, one compilation per bucket and
