@@ -407,3 +407,33 @@ def test_reference_rows_do_not_depend_on_the_row_count():
     for t in range(q.shape[1]):
         alone = np.asarray(attend(q[:, t:t + 1], k, v, pos[:, t:t + 1]).astype(jnp.float32))
         assert np.array_equal(alone[:, 0], full[:, t]), f"row {t} differs between a 1-row and an 8-row call"
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
+@pytest.mark.parametrize("fp8", [None, "per_token", "per_head"])
+def test_reference_in_key_blocks_matches_numpy(dtype, tol, fp8):
+    """Blocks of 16 keys over a 72-row cache (the last block shifted back), rows anywhere in it."""
+    q, k, v, pos, kw = _make(2, 5, 2, 3, 72, 16, jnp.dtype(dtype), positions="scattered", fp8=fp8)
+    deq = [dequantize(x, kw[n]) if fp8 else x for x, n in ((k, "k_scale"), (v, "v_scale"))]
+    want = _numpy_attention(q.astype(jnp.float32), deq[0].astype(jnp.float32), deq[1].astype(jnp.float32), pos)
+    got = np.asarray(jax.jit(functools.partial(cache_attention_reference, key_block=16, **kw))(q, k, v, pos),
+                     np.float64)
+    assert np.max(np.abs(got - want) / (1 + np.abs(want))) < (tol if fp8 is None else 2e-2)
+
+
+def test_reference_result_does_not_depend_on_the_capacity_or_other_rows():
+    """A row's bits are the same in a one-block cache, in a cache of many blocks where it sits
+    in the first, and next to a sequence that reaches far (which makes the loop run): the
+    reads past its own position add exactly nothing (bf16, the serving dtype)."""
+    q, k, v, pos, _ = _make(1, 4, 3, 3, 96, 64, jnp.bfloat16)
+    attend = jax.jit(functools.partial(cache_attention_reference, key_block=128))
+    alone = np.asarray(attend(q, k, v, pos).astype(jnp.float32))
+    pad = ((0, 0), (0, 0), (0, 1000 - 96), (0, 0))
+    k_big, v_big = jnp.pad(k, pad, constant_values=3.0), jnp.pad(v, pad, constant_values=-5.0)
+    in_big = np.asarray(attend(q, k_big, v_big, pos).astype(jnp.float32))
+    assert np.array_equal(alone, in_big)
+    q2 = jnp.concatenate([q, q[:, ::-1]])  # a second sequence whose rows reach position 990
+    pos2 = jnp.concatenate([pos, 987 + jnp.arange(4, dtype=jnp.int32)[None]])
+    k2, v2 = jnp.concatenate([k_big, v_big[:, ::-1]]), jnp.concatenate([v_big, k_big])
+    beside = np.asarray(attend(q2, k2, v2, pos2).astype(jnp.float32))
+    assert np.array_equal(alone[0], beside[0])
