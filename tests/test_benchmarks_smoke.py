@@ -214,3 +214,16 @@ def test_forward_rows_tiny(tmp_path):
     # with every measure on, row 0 is bitwise the same at 1, 2 and 8 rows
     both = [r for r in s["results"] if r["fusion_option"] and r["rowwise_attention"]]
     assert both[0]["row0_bitwise_invariant"]
+
+
+@pytest.mark.slow
+def test_tpot_generate_on_the_default_model(tmp_path):
+    """speculative_generate's TPOT on mixed_batch's prompts: one prompt, plain and P-EAGLE."""
+    from benchmarks import tpot_generate
+
+    out = tmp_path / "tpot"
+    run = tpot_generate.main(["--methods", "none", "peagle", "--repeats", "1", "--max-tokens", "4",
+                              "--out", str(out)])
+    assert json.loads((out / "tpot_generate.json").read_text())["prompts"] == 1
+    assert set(run["tpot_ms"]) == {"none", "peagle"} and all(_finite_positive(v) for v in run["tpot_ms"].values())
+    assert "| peagle | 3 |" in (out / "tpot_generate.md").read_text()
