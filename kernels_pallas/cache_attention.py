@@ -34,7 +34,7 @@ ROWWISE_MAX_ROWS = 0
 #: Key positions per block of the reference. A step reads only the blocks that hold a position
 #: some query row can see, so its cost follows the live length, not the cache capacity: a
 #: server sized for 8k tokens read all 8k rows per layer and step before (1.9 ms per layer at
-#: 4 query rows on 2 CPU cores, against 0.1 ms for a one-block read). A cache of at most one
+#: 4 query rows on 2 CPU cores, against 0.2 ms for a one-block read). A cache of at most one
 #: block is read whole, with no loop: the usual `speculative_generate` program.
 KEY_BLOCK = 512
 
