@@ -92,7 +92,7 @@ class _BlockedCache:
         v_dtype = jnp.float32 if _needs_dequant(v, v_scale) else v.dtype
         self.dtype = jnp.promote_types(jnp.promote_types(q_dtype, k_dtype), v_dtype)  # one dtype: no-op
 
-    def start(self, i: Int[Array, ""]) -> Int[Array, ""]:
+    def start(self, i: int | Int[Array, ""]) -> Int[Array, ""]:
         """First position of block i; the last block is shifted back to end at the capacity
         (its positions below i * block, already seen, are masked by the caller)."""
         return jnp.minimum(i * self.block, self.capacity - self.block)
