@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from kernels_pallas.fp8 import dequantize
+
 #: Query blocks up to this many rows are attended row by row by default (0: never). The
 #: batched form is already row-invariant on XLA:CPU (tests/test_row_invariance.py), so this
 #: stays off; `benchmarks.forward_rows` sets it to compare both.
@@ -109,13 +111,12 @@ def _needs_dequant(x, scale) -> bool:
 def _read_block(x, scale, start, block: int, dtype) -> Float[Array, "B KVH C D"]:
     """Positions start .. start + block of a cache, dequantized in fp32 if FP8 / scaled."""
     xb = jax.lax.dynamic_slice_in_dim(x, start, block, axis=2)
-    if _needs_dequant(x, scale):
+    if scale is not None:
+        if scale.ndim == 4 and scale.shape[2] == x.shape[2]:  # per position: its block
+            scale = jax.lax.dynamic_slice_in_dim(scale, start, block, axis=2)
+        xb = dequantize(xb, scale)
+    elif _needs_dequant(x, scale):  # FP8 without a scale: its values as they are, in fp32
         xb = xb.astype(jnp.float32)
-        if scale is not None:
-            scale = scale.astype(jnp.float32)
-            if scale.ndim == 4 and scale.shape[2] == x.shape[2]:  # per position: its block
-                scale = jax.lax.dynamic_slice_in_dim(scale, start, block, axis=2)
-            xb = xb * scale
     return xb.astype(dtype)
 
 

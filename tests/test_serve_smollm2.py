@@ -46,7 +46,4 @@ def test_default_model_through_the_server(caplog):
 
 
 def engine_target(app):
-    from flax import nnx
-
-    e = app.state.engine
-    return nnx.merge(e._target_def, e._target_state)
+    return app.state.engine.target

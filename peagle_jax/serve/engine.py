@@ -138,7 +138,9 @@ class _Programs:
     and one static flag (greedy or sampled round).
     """
 
-    def __init__(self, target_def, target_state, drafter_def, drafter_state, spec: SpecConfig):
+    def __init__(self, target, drafter, spec: SpecConfig):
+        target_def, target_state = nnx.split(target)
+        drafter_def, drafter_state = nnx.split(drafter) if drafter is not None else (None, None)
         self.weights = (jax.tree.leaves(target_state), jax.tree.leaves(drafter_state))
         target_tree, drafter_tree = jax.tree.structure(target_state), jax.tree.structure(drafter_state)
 
@@ -237,13 +239,8 @@ class Engine:
         self.tokenizer_lock = threading.Lock()
         self.metrics = metrics or Metrics(k, max_batch_size)
         self.vocab_size = target.config.vocab_size
-        self._target_def, self._target_state = nnx.split(target)
-        if drafter is not None and method != "none":
-            self._drafter_def, self._drafter_state = nnx.split(drafter)
-        else:
-            self._drafter_def, self._drafter_state = None, None
-        self._programs = _Programs(self._target_def, self._target_state, self._drafter_def, self._drafter_state,
-                                   self._spec)
+        self.target = target  # the served model (its weights are what `_programs` runs)
+        self._programs = _Programs(target, drafter if method != "none" else None, self._spec)
         self._eos = jnp.asarray(np.array(list(eos_ids) or [-1], np.int32))
         self._key = jax.random.key(seed)
         self._seed_rng = np.random.default_rng(seed)  # seeds for requests that give none
