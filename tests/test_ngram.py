@@ -122,7 +122,7 @@ def test_hybrid_takes_the_lookup_where_the_context_matches_and_the_head_elsewher
     rows = jnp.asarray([[5, 6, 7, 5, 6, 0], [1, 2, 3, 4, 9, 0]], jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(6)[None], (2, 6))
     feats = jnp.zeros((2, 6, cfg.hidden_size), jnp.float32)
-    cache = hybrid.prefill(rows, feats, pos, 16)
+    cache = hybrid.prefill(hybrid.init_cache(2, 16), rows, feats, pos)
     pending = Pending(jnp.asarray([[6], [9]]), jnp.zeros((2, 1, cfg.hidden_size)), jnp.asarray([1, 1]),
                       jnp.asarray([4, 4]))
     import jax
@@ -161,7 +161,8 @@ def test_hybrid_skips_the_head_while_the_lookup_matches_and_catches_up_exactly(t
     h = cfg.hidden_size
     feats = jax.random.normal(jax.random.key(7), (1, 12, h), jnp.float32)
     prompt = jnp.asarray([[1, 2, 3, 4, 1, 2]], jnp.int32)
-    caches = [d.prefill(prompt, feats[:, :6], jnp.arange(6)[None], 32) for d in (deferring, every_round)]
+    caches = [d.prefill(d.init_cache(1, 32), prompt, feats[:, :6], jnp.arange(6)[None])
+              for d in (deferring, every_round)]
     settings = DraftSettings(2, True, jax.random.key(0)[None], SamplingParams.full(1), True, VOCAB,
                              jnp.zeros((1,), jnp.int32))
     rounds = [([3, 4], 6), ([1, 2, 3], 8), ([9], 11)]  # accepted rows, position of the first
@@ -177,7 +178,7 @@ def test_hybrid_skips_the_head_while_the_lookup_matches_and_catches_up_exactly(t
         if i < 2:  # matched: the lookup's drafts, the head untouched, the rows waiting
             assert got.tokens.tolist() == ref.tokens.tolist() and int(got.num_drafts[0]) == 2
             assert waiting == [2, 5][i]
-            untouched = deferring.prefill(prompt, feats[:, :6], jnp.arange(6)[None], 32).head
+            untouched = deferring.prefill(deferring.init_cache(1, 32), prompt, feats[:, :6], jnp.arange(6)[None]).head
             for a, b in zip(jax.tree.leaves(got.cache.head), jax.tree.leaves(untouched), strict=True):
                 np.testing.assert_array_equal(a, b)
         else:  # no match: the head caught up and drafted as if it had run every round

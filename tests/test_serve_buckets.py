@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 
+import numpy as np
 import pytest
 from test_serve import MAX_LEN, _tiny_models
 
@@ -150,3 +152,72 @@ def test_per_request_draft_limit_keeps_the_text_and_caps_acceptance(models):
     assert full.accepted_tokens > 0  # precondition: lookup drafts do get accepted here
     assert off.accepted_tokens == 0 and off.target_forwards == off.completion_tokens - 1
     assert one.accepted_tokens <= one.target_forwards  # the per-row cap itself: tests/test_sampling.py
+
+
+def test_prefill_shapes_are_bounded_by_the_chunk():
+    from peagle_jax.serve.engine import check_prefill_chunk, prefill_shapes
+
+    shapes = prefill_shapes(4, 64, 16)
+    assert shapes == ((1, 16), (1, 24), (1, 32), (1, 48), (1, 64), (2, 16), (2, 24), (2, 32), (4, 16))
+    assert all(b * t <= 64 for b, t in shapes)
+    assert prefill_shapes(3, 32, 16) == ((1, 16), (1, 24), (1, 32), (2, 16))  # 3 prompts pad to 4 rows: > 32
+    for bad in (40, 8, 100):
+        with pytest.raises(ValueError, match="must be a prompt bucket"):
+            check_prefill_chunk(bad, 16)
+
+
+def _compiled(engine):
+    """How many programs each of the engine's jitted functions holds."""
+    from peagle_jax.serve import engine as mod
+
+    fns = dict(vars(engine._programs))
+    fns.pop("weights")
+    fns |= {n: getattr(mod, n) for n in ("_insert_jit", "_finish_jit", "_take_jit", "_keys_from_seeds")}
+    return {name: fn._cache_size() for name, fn in fns.items()}
+
+
+def test_long_prompts_prefill_in_chunks_between_rounds_and_nothing_compiles_after_warmup(models):
+    # A 100-token prompt on a 32-token chunk: three chunks and a 4-token tail, each run
+    # between two rounds of the stream already decoding; short prompts arriving together
+    # share a prefill. Every output equals speculative_generate's, and no request compiles
+    # anything: the warm-up compiled every shape.
+    target, drafter, tok, eos = models
+    run = _Run(models, max_batch_size=4, max_prefill_batch=2, prefill_chunk=32)
+    calls: list[str] = []
+    run.engine.start(warmup=True)
+    compiled = _compiled(run.engine)
+    programs = run.engine._programs
+    real_chunk, real_round = programs.chunk, run.engine._round
+
+    def chunk(*a, **kw):
+        calls.append("chunk")
+        return real_chunk(*a, **kw)
+
+    def round_(greedy):
+        calls.append("round")
+        return real_round(greedy)
+
+    programs.chunk, run.engine._round = chunk, round_
+    rng = np.random.default_rng(0)
+    long_ids = rng.integers(10, 40000, 100).tolist()
+    prompts = {0: tok.encode(PROMPTS[1]), 1: long_ids, 2: tok.encode(PROMPTS[0]), 3: tok.encode(PROMPTS[2])}
+    lengths = {0: 40, 1: 12, 2: 10, 3: 16}
+    try:
+        run.engine.submit(run.request(0, prompts[0], lengths[0]))
+        while not calls:  # request 0 is decoding
+            time.sleep(0.01)
+        run.engine.submit_all([run.request(i, prompts[i], lengths[i], **({"temperature": 0.8, "seed": 7}
+                                                                           if i == 3 else {})) for i in (1, 2, 3)])
+        for _ in range(4):
+            assert run.done.acquire(timeout=300)
+    finally:
+        run.engine.shutdown()
+        programs.chunk = real_chunk
+    for i in (0, 1, 2):
+        ref = speculative_generate(target, drafter, [prompts[i]], method="peagle", num_draft_tokens=K,
+                                   max_new_tokens=lengths[i], eos_token_ids=eos)
+        assert run.text(i) == tok.decode(ref.tokens[0], skip_special_tokens=True), i
+    assert calls.count("chunk") == 3, calls
+    first = calls.index("chunk")
+    assert calls[first:first + 6] == ["chunk", "round"] * 3, calls  # request 0 decodes between the chunks
+    assert _compiled(run.engine) == compiled

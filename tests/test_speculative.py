@@ -276,8 +276,11 @@ class _ConstantProposer(nnx.Module):
     def project(self, aux):
         return aux[..., :2]
 
-    def prefill(self, tokens, feats, positions, capacity):
+    def init_cache(self, batch_size, capacity):
         return None
+
+    def prefill(self, cache, tokens, feats, positions):
+        return cache
 
     def propose(self, cache, pending, settings):
         b = pending.tokens.shape[0]
@@ -285,7 +288,7 @@ class _ConstantProposer(nnx.Module):
 
 
 def test_any_proposer_plugs_into_the_round(target, reference):
-    # No isinstance in the steps: a new kind of drafter needs only the three methods, and
+    # No isinstance in the steps: a new kind of drafter needs only the Proposer methods, and
     # greedy output stays exactly plain decoding's.
     out = speculative_generate(target, _ConstantProposer(), PROMPTS, method="peagle", num_draft_tokens=3,
                                max_new_tokens=24, eos_token_ids=[EOS])

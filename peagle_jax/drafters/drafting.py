@@ -1,10 +1,12 @@
 """How a drafter takes part in a speculative round: the proposer interface and its inputs.
 
-A round needs three things from a drafter, whatever it is (a learned EAGLE-3 / P-EAGLE head,
+A round needs these from a drafter, whatever it is (a learned EAGLE-3 / P-EAGLE head,
 the prompt-lookup drafter of `drafters.ngram`, or the replay oracle of the tests and
 synthetic benchmarks):
   project   the target's concatenated feature taps -> the drafter's feature space;
-  prefill   write the prompt's drafter rows into a fresh drafter KV cache;
+  init_cache / prefill
+            an empty drafter cache, then the prompt's drafter rows written into it (in one
+            call, or chunk by chunk for a long prompt);
   propose   a `Proposal`: K draft tokens (and, when sampling, their probabilities q over
             the target vocabulary) from the rows accepted in the last round, and which
             many drafts each sequence has (a context drafter may find nothing to propose).
@@ -90,9 +92,17 @@ class Proposer(Protocol):
         """Target feature taps -> the features the drafter's pending rows carry."""
         ...
 
-    def prefill(self, tokens: Int[Array, "B T"], feats: Float[Array, "B T H"] | None, positions: Int[Array, "B T"],
-                capacity: int) -> Any:
-        """A fresh drafter cache holding the prompt rows (None: the drafter keeps no cache)."""
+    def init_cache(self, batch_size: int, capacity: int) -> Any:
+        """An empty drafter cache of `capacity` rows per sequence (None: the drafter keeps none)."""
+        ...
+
+    def prefill(self, cache: Any, tokens: Int[Array, "B T"], feats: Float[Array, "B T H"] | None,
+                positions: Int[Array, "B T"]) -> Any:
+        """`cache` with prompt rows written at `positions` (row p: token p + 1, feature of p).
+
+        Rows go where their positions say and attention is causal by position, so a long
+        prompt can arrive in chunks, each call extending the cache the last one returned.
+        """
         ...
 
     def propose(self, cache: Any, pending: Pending, settings: DraftSettings) -> Proposal:

@@ -105,13 +105,18 @@ class Eagle3Drafter(nnx.Module):
         return self.fc(aux.astype(self.fc.kernel.dtype))
 
     @property
+    def feature_spec(self) -> jax.ShapeDtypeStruct:
+        """Width and dtype of `project`'s output: the features pending rows carry."""
+        out = jax.eval_shape(self.project, jax.ShapeDtypeStruct((1, self.config.fc_in_features), self.config.dtype))
+        return jax.ShapeDtypeStruct(out.shape[-1:], out.dtype)
+
+    @property
     def can_draft_parallel(self) -> bool:
         return self.config.mask_token_id is not None and self.mask_hidden is not None
 
-    def prefill(self, tokens: Int[Array, "B T"], feats: Float[Array, "B T H"], positions: Int[Array, "B T"],
-                capacity: int) -> KVCache:
-        """A fresh cache holding the prompt rows (token p+1 with the feature of position p)."""
-        cache = self.init_cache(tokens.shape[0], capacity)
+    def prefill(self, cache: KVCache, tokens: Int[Array, "B T"], feats: Float[Array, "B T H"],
+                positions: Int[Array, "B T"]) -> KVCache:
+        """`cache` with the prompt rows (token p+1 with the feature of position p) written in."""
         return self(tokens, feats, positions, cache, logit_rows=jnp.zeros((tokens.shape[0], 1), jnp.int32)).cache
 
     def propose(self, cache: KVCache, pending: Pending, settings: DraftSettings) -> Proposal:

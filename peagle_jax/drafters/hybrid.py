@@ -96,13 +96,17 @@ class HybridProposer(nnx.Module):
     def project(self, aux: Float[Array, "B T A"]) -> Float[Array, "B T H"]:
         return self.head.project(aux)
 
-    def prefill(self, tokens: Int[Array, "B T"], feats: Float[Array, "B T H"] | None, positions: Int[Array, "B T"],
-                capacity: int) -> HybridCache:
-        b, d = tokens.shape[0], self.defer_rows
-        deferred = Deferred(jnp.zeros((b, d), jnp.int32), jnp.zeros((b, d, feats.shape[-1]), feats.dtype),
+    def init_cache(self, batch_size: int, capacity: int) -> HybridCache:
+        b, d = batch_size, self.defer_rows
+        feat = self.head.feature_spec  # the pending rows' feature width and dtype
+        deferred = Deferred(jnp.zeros((b, d), jnp.int32), jnp.zeros((b, d, feat.shape[-1]), feat.dtype),
                             jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32))
-        return HybridCache(self.head.prefill(tokens, feats, positions, capacity),
-                           self.ngram.prefill(tokens, None, positions, capacity), deferred)
+        return HybridCache(self.head.init_cache(b, capacity), self.ngram.init_cache(b, capacity), deferred)
+
+    def prefill(self, cache: HybridCache, tokens: Int[Array, "B T"], feats: Float[Array, "B T H"] | None,
+                positions: Int[Array, "B T"]) -> HybridCache:
+        return HybridCache(self.head.prefill(cache.head, tokens, feats, positions),
+                           self.ngram.prefill(cache.history, tokens, None, positions), cache.deferred)
 
     def head_drafts(self, num_draft_tokens: int) -> int:
         """k_h: the drafts the head proposes in a round of K = num_draft_tokens."""

@@ -79,11 +79,13 @@ class NgramProposer(nnx.Module):
     def project(self, aux: Float[Array, "B T A"]) -> Float[Array, "B T H"]:
         raise TypeError("NgramProposer reads tokens, not target features")
 
-    def prefill(self, tokens: Int[Array, "B T"], feats: Float[Array, "B T H"] | None, positions: Int[Array, "B T"],
-                capacity: int) -> TokenHistory:
-        """A history of `capacity` rows holding the prompt (rows past a prompt are overwritten later)."""
-        history = TokenHistory(jnp.zeros((tokens.shape[0], capacity), jnp.int32))
-        return history.write(tokens, positions)
+    def init_cache(self, batch_size: int, capacity: int) -> TokenHistory:
+        return TokenHistory(jnp.zeros((batch_size, capacity), jnp.int32))
+
+    def prefill(self, cache: TokenHistory, tokens: Int[Array, "B T"], feats: Float[Array, "B T H"] | None,
+                positions: Int[Array, "B T"]) -> TokenHistory:
+        """The history with the prompt written in (rows past a prompt are overwritten later)."""
+        return cache.write(tokens, positions)
 
     def propose(self, cache: TokenHistory, pending: Pending, settings: DraftSettings) -> Proposal:
         w = pending.tokens.shape[1]

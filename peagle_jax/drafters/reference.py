@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -98,13 +99,21 @@ class ReferenceDrafter(nnx.Module):
         return aux[..., :1]  # keep the pending-feature plumbing cheap
 
     @property
+    def feature_spec(self) -> jax.ShapeDtypeStruct:
+        """Width and dtype of `project`'s output (one float32 column without a head)."""
+        return jax.ShapeDtypeStruct((1,), jnp.float32) if self.head is None else self.head.feature_spec
+
+    @property
     def can_draft_parallel(self) -> bool:
         return self.head is None or self.head.can_draft_parallel
 
-    def prefill(self, tokens: Int[Array, "B T"], feats: Float[Array, "B T H"], positions: Int[Array, "B T"],
-                capacity: int) -> KVCache | None:
+    def init_cache(self, batch_size: int, capacity: int) -> KVCache | None:
+        return None if self.head is None else self.head.init_cache(batch_size, capacity)
+
+    def prefill(self, cache: KVCache | None, tokens: Int[Array, "B T"], feats: Float[Array, "B T H"],
+                positions: Int[Array, "B T"]) -> KVCache | None:
         """The head's prompt cache (its cost is part of what a head-driven oracle measures)."""
-        return None if self.head is None else self.head.prefill(tokens, feats, positions, capacity)
+        return None if self.head is None else self.head.prefill(cache, tokens, feats, positions)
 
     def propose(self, cache: KVCache | None, pending: Pending, settings: DraftSettings) -> Proposal:
         """The oracle's drafts (q None: a point mass), after the head's own drafting if any."""

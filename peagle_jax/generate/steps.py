@@ -314,6 +314,57 @@ def _first_token(logits: Float[Array, "B 1 V"], sp: SamplingParams, key: jax.Arr
     return sampling.sample_from_probs(key, probs)[:, 0]
 
 
+class PromptContext(NamedTuple):
+    """The KV a prompt has written so far: target and drafter rows of the positions before
+    the next chunk. A long prompt is prefilled chunk by chunk into one of these (the server
+    interleaves the chunks with other sequences' rounds), and `prefill` ends it."""
+
+    target_cache: KVCache
+    drafter_cache: Any  # the drafter's cache pytree, or None
+
+
+def empty_context(target: CausalLM, drafter: Proposer | None, batch_size: int, config: SpecConfig) -> PromptContext:
+    dcache = drafter.init_cache(batch_size, config.capacity) if config.uses_drafter else None
+    return PromptContext(target.init_cache(batch_size, config.capacity), dcache)
+
+
+def _write_prompt(target: CausalLM, drafter: Proposer | None, context: PromptContext, tokens: Int[Array, "B T"],
+                  following: Int[Array, " B"], start: Int[Array, " B"], config: SpecConfig,
+                  logit_rows: Int[Array, " B"]):
+    """Prompt tokens at positions start.. into both caches: (context, logits at `logit_rows`, features).
+
+    Drafter row p pairs the feature of position p with token p + 1, so the chunk's last row
+    takes `following`, the first token of the next chunk (a final chunk's last row is dead: the
+    first round's pending row overwrites it).
+    """
+    t = tokens.shape[1]
+    positions = start[:, None] + jnp.arange(t)[None, :]
+    out = target(tokens, positions, context.target_cache, logit_rows=logit_rows[:, None],
+                 return_aux=config.uses_features)
+    feats, dcache = None, context.drafter_cache
+    if config.uses_drafter:
+        feats = drafter.project(out.aux_hidden) if config.uses_features else None  # [B, T, H]
+        shifted = jnp.concatenate([tokens[:, 1:], following[:, None].astype(tokens.dtype)], axis=1)
+        dcache = drafter.prefill(dcache, shifted, feats, positions)
+    return PromptContext(out.cache.with_lengths(start + t), dcache), out.logits, feats
+
+
+def prefill_chunk(
+    target: CausalLM,
+    drafter: Proposer | None,
+    context: PromptContext,
+    tokens: Int[Array, "B T"],
+    following: Int[Array, " B"],
+    start: Int[Array, " B"],
+    config: SpecConfig,
+) -> PromptContext:
+    """A full chunk of a long prompt (positions start..start+T-1; `following` is the prompt
+    token at start+T): KV written, nothing emitted. `prefill` runs the last chunk."""
+    no_logits = jnp.zeros((tokens.shape[0],), jnp.int32)  # one row's logits, unused
+    context, _, _ = _write_prompt(target, drafter, context, tokens, following, start, config, no_logits)
+    return context
+
+
 def prefill(
     target: CausalLM,
     drafter: Proposer | None,
@@ -326,10 +377,14 @@ def prefill(
     eos_ids: Int[Array, " E"],
     key: jax.Array,
     draft_limit: Int[Array, " B"] | None = None,
+    context: PromptContext | None = None,
+    start: Int[Array, " B"] | None = None,
 ) -> SpecState:
     """Run the prompts (right-padded to a bucket) and emit the first token.
 
     `draft_limit` caps the drafts each sequence may accept per round (default K: all).
+    `tokens` are the prompt from position `start` (default 0) on, `context` the KV of the
+    positions before it (from `prefill_chunk`; default: none); `prompt_lens` are whole lengths.
 
     The drafter also consumes the prompt: rows (feature p, token p+1) for p < L-1 are
     written to its cache now, and the last one, paired with the first generated token,
@@ -337,24 +392,22 @@ def prefill(
     """
     b, t = tokens.shape
     k = config.num_draft_tokens
-    positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
-    out = target(tokens, positions, target.init_cache(b, config.capacity), logit_rows=(prompt_lens - 1)[:, None],
-                 return_aux=config.uses_features)
+    start = jnp.zeros((b,), jnp.int32) if start is None else start.astype(jnp.int32)
+    if context is None:
+        context = empty_context(target, drafter, b, config)
+    last = prompt_lens - 1 - start  # the last prompt row, within this chunk
+    context, logits, feats = _write_prompt(target, drafter, context, tokens, jnp.zeros((b,), jnp.int32), start,
+                                           config, last)
     k_first, k_rest = sampling.split_keys(key, 2)  # key: one per sequence, [B]
-    first = _first_token(out.logits, sp, k_first, config.greedy)
+    first = _first_token(logits, sp, k_first, config.greedy)
     pend_tok = jnp.zeros((b, k + 1), jnp.int32).at[:, 0].set(first)
-    dcache, pend_feat = None, None
-    if config.uses_drafter:
-        feats = drafter.project(out.aux_hidden) if config.uses_features else None  # [B, T, H]
-        # Drafter rows for p = 0..L-2: token p+1 with the feature of position p.
-        shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
-        dcache = drafter.prefill(shifted, feats, positions, config.capacity)
+    pend_feat = None
     if config.uses_features:
-        last_feat = jnp.take_along_axis(feats, (prompt_lens - 1)[:, None, None], axis=1)  # [B, 1, H]
+        last_feat = jnp.take_along_axis(feats, last[:, None, None], axis=1)  # [B, 1, H]
         pend_feat = jnp.zeros((b, k + 1, feats.shape[-1]), feats.dtype).at[:, :1].set(last_feat)
     state = SpecState(
-        target_cache=out.cache.with_lengths(prompt_lens),
-        drafter_cache=dcache,
+        target_cache=context.target_cache.with_lengths(prompt_lens),
+        drafter_cache=context.drafter_cache,
         last_token=first,
         pending_tokens=pend_tok,
         pending_feats=pend_feat,

@@ -78,7 +78,7 @@ def _build_context(config: ServeConfig, loaded: LoadedModel) -> ServerContext:
         loaded.target, loaded.drafter, loaded.tokenizer, loaded.eos_ids, method=loaded.method,
         num_draft_tokens=config.num_draft_tokens, max_batch_size=config.max_batch_size, max_model_len=max_len,
         max_queue_size=config.max_queue_size, max_prefill_batch=config.max_prefill_batch,
-        min_prompt_bucket=config.min_prompt_bucket, seed=config.seed,
+        min_prompt_bucket=config.min_prompt_bucket, prefill_chunk=config.prefill_chunk, seed=config.seed,
     )
     name = loaded.model_name
     aliases = frozenset({name, "default"} if name == _DEFAULT_MODEL_NAME else {name})

@@ -13,6 +13,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from peagle_jax.serve.engine import check_prefill_chunk
+
 __all__ = ["DEFAULT_DRAFTER", "LOOPBACK_HOSTS", "Mesh", "ServeConfig", "build_parser", "config_from_args", "parse_mesh"]
 
 #: Where the trained P-EAGLE head for the default model is expected. Used only when no
@@ -88,9 +90,12 @@ class ServeConfig(BaseModel):
     max_queue_size: int = Field(64, ge=0)
     max_prefill_batch: int = Field(4, ge=1, description="new requests prefilled together (padded to a power of two)")
     min_prompt_bucket: int = Field(16, ge=1)
+    prefill_chunk: int = Field(
+        256, ge=1, description="prompt tokens prefilled per engine step: a longer prompt is prefilled in chunks "
+        "between other sequences' rounds; a prompt bucket (min_prompt_bucket * 2^i or * 1.5 * 2^i)")
     mesh: Mesh = Field(default_factory=Mesh)
     seed: int = 0
-    warmup: bool = Field(True, description="compile the round and a small prefill before accepting requests")
+    warmup: bool = Field(True, description="compile every round and prefill shape before accepting requests")
     compilation_cache_dir: str | None = Field(
         None, description="JAX's persistent compilation cache: a restart loads the warm-up's programs instead of "
         "compiling them (also JAX_COMPILATION_CACHE_DIR); keep one directory per machine type")
@@ -139,6 +144,7 @@ class ServeConfig(BaseModel):
         if self.head_draft_tokens is not None and not self.method.endswith("+ngram"):
             raise ValueError("head_draft_tokens applies to the methods eagle3+ngram and peagle+ngram, "
                              f"not {self.method!r}")
+        check_prefill_chunk(self.prefill_chunk, self.min_prompt_bucket)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
                              f"({self.prompt_lookup_max})")
@@ -172,6 +178,8 @@ _FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--max-model-len",), dict(type=int, help="prompt + completion tokens per request")),
     (("--max-queue-size",), dict(type=int, help="waiting requests before answering 429")),
     (("--max-prefill-batch",), dict(type=int)),
+    (("--prefill-chunk",), dict(type=int, help="prompt tokens prefilled per engine step (default 256): longer "
+                                               "prompts are prefilled in chunks between other sequences' rounds")),
     (("--mesh",), dict(help="device mesh, e.g. data=1,model=1")),
     (("--seed",), dict(type=int)),
     (("--no-warmup",), dict(action="store_const", const=False, dest="warmup")),

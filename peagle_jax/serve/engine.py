@@ -5,11 +5,17 @@ R rows, R the smallest *batch bucket* (powers of two up to B, and B) that holds 
 sequences: a round computes R rows, not B, so idle capacity costs nothing. Each engine step is:
 
   1. cancellations / stop-string hits -> rows marked done (jitted `finish_sequences`);
-  2. admission: waiting requests get free rows, the batch growing to a larger bucket first if
-     needed (the rows are copied into a larger empty state: `insert_sequences`); they are
-     prefilled together (jitted `prefill`, prompt length bucketed by `prompt_bucket`, batch
-     padded to a power of two) and written into their rows (`insert_sequences`: every
-     per-sequence array, both KV caches);
+  2. admission: waiting requests, as long as rows are free, become prefill jobs: short prompts
+     grouped (at most `max_prefill_batch` of them and `prefill_chunk` token rows), a longer
+     prompt alone. Each step runs ONE unit of prefill: a `prefill_chunk`-token chunk of a long
+     prompt (jitted `prefill_chunk`, into the job's own `PromptContext`), or a job's final
+     prefill (jitted `prefill`, prompt length bucketed by `prompt_bucket`, batch padded to a
+     power of two). So a long prompt delays the others' tokens by one chunk per round, never
+     by its whole prefill, and prompt length creates no new shapes: `prefill_shapes` lists
+     them all and `start` compiles them before the server says it is ready. Prefilled rows
+     get free batch rows, the batch growing to a larger bucket first if needed (copied into a
+     larger empty state), and are written in (`insert_sequences`: every per-sequence array,
+     both KV caches);
   3. one speculative round over the R rows (jitted `spec_round`, one compilation per bucket and
      greedy flag); finished and empty rows are `done` and stay frozen;
   4. once the live sequences have fit a smaller bucket for `shrink_after` rounds (at once when
@@ -43,9 +49,11 @@ from peagle_jax.generate.speculative import cache_capacity, merge_models, prompt
 from peagle_jax.generate.steps import (
     SpecConfig,
     SpecState,
+    empty_context,
     finish_sequences,
     insert_sequences,
     prefill,
+    prefill_chunk,
     spec_round,
     step_jit,
     take_sequences,
@@ -130,7 +138,8 @@ def _keys_from_seeds(seeds):
 
 
 class _Programs:
-    """The engine's jitted prefill and round, bound to its models once.
+    """The engine's jitted programs (empty prompt context, prompt chunk, final prefill, round),
+    bound to its models once.
 
     With the models' graph definitions as static arguments, every call hashed them and
     flattened the weights' `nnx.State`: about 16 ms per round on 2 CPU cores, a third of a
@@ -148,10 +157,18 @@ class _Programs:
             drafter = None if drafter_def is None else jax.tree.unflatten(drafter_tree, weights[1])
             return merge_models(target_def, jax.tree.unflatten(target_tree, weights[0]), drafter_def, drafter)
 
-        def prefill_fn(weights, tokens, lens, max_new, sp, eos_ids, key, draft_limit, greedy):
+        def context_fn(weights, batch_size):
+            target, drafter = models(weights)
+            return empty_context(target, drafter, batch_size, spec)
+
+        def chunk_fn(weights, context, tokens, following, start):
+            target, drafter = models(weights)
+            return prefill_chunk(target, drafter, context, tokens, following, start, spec)
+
+        def prefill_fn(weights, context, tokens, start, lens, max_new, sp, eos_ids, key, draft_limit, greedy):
             target, drafter = models(weights)
             return prefill(target, drafter, tokens, lens, dataclasses.replace(spec, greedy=greedy), max_new=max_new,
-                           sp=sp, eos_ids=eos_ids, key=key, draft_limit=draft_limit)
+                           sp=sp, eos_ids=eos_ids, key=key, draft_limit=draft_limit, context=context, start=start)
 
         def round_fn(weights, state, greedy):
             """One round; also returns what the host needs: the new tokens of each row and stats."""
@@ -163,7 +180,9 @@ class _Programs:
             accepted = jnp.sum(new.accepted_per_pos - prev_hist, axis=1)
             return new, (toks, new.out_len - prev_len, new.done, new.hit_eos, accepted)
 
-        self.prefill = step_jit(prefill_fn, static_argnames=("greedy",))
+        self.context = step_jit(context_fn, static_argnames=("batch_size",))
+        self.chunk = step_jit(chunk_fn, donate_argnames=("context",))
+        self.prefill = step_jit(prefill_fn, static_argnames=("greedy",), donate_argnames=("context",))
         self.round = step_jit(round_fn, static_argnames=("greedy",), donate_argnames=("state",))
 
 
@@ -194,6 +213,35 @@ def batch_buckets(max_batch_size: int) -> tuple[int, ...]:
     return tuple(sorted({min(2**i, max_batch_size) for i in range(max_batch_size.bit_length() + 1)}))
 
 
+def check_prefill_chunk(chunk: int, min_prompt_bucket: int) -> None:
+    """ValueError unless `chunk` is a prompt bucket (the chunk is also the largest prefill shape)."""
+    if chunk < min_prompt_bucket or prompt_bucket(chunk, min_prompt_bucket) != chunk:
+        near = prompt_bucket(max(chunk, min_prompt_bucket), min_prompt_bucket)
+        raise ValueError(f"prefill_chunk {chunk} must be a prompt bucket: min_prompt_bucket ({min_prompt_bucket}) "
+                         f"times 2^i or 1.5 * 2^i, e.g. {near}")
+
+
+def prefill_shapes(max_prefill_batch: int, chunk: int, min_prompt_bucket: int) -> tuple[tuple[int, int], ...]:
+    """Every (rows, prompt bucket) the final prefill of a group can run at.
+
+    A group holds up to `max_prefill_batch` prompts, padded to a power of two, and at most
+    `chunk` token rows in all; a longer prompt goes alone, chunk by chunk, so its last chunk
+    is bucketed like a short prompt. Finite by design: the engine compiles them all up front.
+    """
+    buckets = sorted({prompt_bucket(n, min_prompt_bucket) for n in range(1, chunk + 1)})
+    rows = sorted({_pow2(n) for n in range(1, max_prefill_batch + 1)})
+    return tuple((b, t) for b in rows for t in buckets if b == 1 or b * t <= chunk)
+
+
+@dataclasses.dataclass(eq=False)
+class _PrefillJob:
+    """Admitted requests prefilled together, or one long prompt, one chunk per engine step."""
+
+    reqs: list[GenRequest]
+    context: Any = None  # the long prompt's PromptContext once its first chunk ran
+    written: int = 0  # prompt positions already in `context`
+
+
 # --------------------------------------------------------------------------- engine
 
 
@@ -214,6 +262,7 @@ class Engine:
         max_queue_size: int = 64,
         max_prefill_batch: int = 4,
         min_prompt_bucket: int = 16,
+        prefill_chunk: int = 256,
         seed: int = 0,
         metrics: Metrics | None = None,
         shrink_after: int = 8,
@@ -235,6 +284,9 @@ class Engine:
         self.max_queue_size = max_queue_size
         self.max_prefill_batch = max(1, min(max_prefill_batch, max_batch_size))
         self.min_prompt_bucket = min_prompt_bucket
+        check_prefill_chunk(prefill_chunk, min_prompt_bucket)
+        self.prefill_chunk = prefill_chunk
+        self.prefill_shapes = prefill_shapes(self.max_prefill_batch, prefill_chunk, min_prompt_bucket)
         self.tokenizer = tokenizer
         self.tokenizer_lock = threading.Lock()
         self.metrics = metrics or Metrics(k, max_batch_size)
@@ -248,6 +300,7 @@ class Engine:
         self._state_shapes: dict[int, Any] = {}  # batch rows -> SpecState shapes
         self._slots: list[GenRequest | None] = [None]  # one per state row; len = current bucket
         self._waiting: deque[GenRequest] = deque()
+        self._prefills: deque[_PrefillJob] = deque()  # admitted, not yet in the batch
         self._cv = threading.Condition()
         self._end_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -326,7 +379,10 @@ class Engine:
             self._cv.notify()
 
     def num_free_slots(self) -> int:
-        return self.max_batch_size - self._num_active()
+        return self.max_batch_size - self._num_active() - self._num_prefilling()
+
+    def _num_prefilling(self) -> int:
+        return sum(len(j.reqs) for j in self._prefills)
 
     def _num_active(self) -> int:
         return sum(r is not None for r in self._slots)
@@ -335,6 +391,7 @@ class Engine:
         with self._cv:
             return {
                 "active": self._num_active(),
+                "prefilling": self._num_prefilling(),
                 "waiting": len(self._waiting),
                 "slots": self.max_batch_size,
                 "rows": len(self._slots),
@@ -349,12 +406,12 @@ class Engine:
         deadline = time.monotonic() + drain_timeout
         while time.monotonic() < deadline:
             s = self.stats()
-            if s["active"] == 0 and s["waiting"] == 0:
+            if s["active"] == 0 and s["prefilling"] == 0 and s["waiting"] == 0:
                 break
             time.sleep(0.02)
         with self._cv:
             self._abort = True
-            left = list(self._waiting) + [r for r in self._slots if r is not None]
+            left = list(self._waiting) + self._prefilling_requests() + [r for r in self._slots if r is not None]
             self._cv.notify()
         # End them now, from this thread: the engine thread may be in the middle of a long round
         # (or a compile), and every stream must get its last chunk before the server closes.
@@ -363,20 +420,28 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
         # Anything left (thread died or never started) is failed, never left hanging.
-        for r in list(self._waiting) + [r for r in self._slots if r is not None]:
+        for r in list(self._waiting) + self._prefilling_requests() + [r for r in self._slots if r is not None]:
             self._finish(r, "abort")
         self._waiting.clear()
+        self._prefills.clear()
         self._slots = [None] * len(self._slots)
 
     # ------------------------------------------------------------------ state
 
-    def _prefill(self, tokens, lens, max_new, sp, key, greedy, draft_limit=None, *, shapes_only: bool = False):
+    def _prefill(self, context, tokens, start, lens, max_new, sp, key, greedy, draft_limit=None, *,
+                 shapes_only: bool = False):
         # step_jit programs must be called at top level: `.eval_shape` gives their output
         # shapes without staging them inside another trace.
         fn = self._programs.prefill.eval_shape if shapes_only else self._programs.prefill
         if draft_limit is None:  # always an array: one compiled program whatever the requests ask
             draft_limit = jnp.full(lens.shape, self.num_draft_tokens, jnp.int32)
-        return fn(self._programs.weights, tokens, lens, max_new, sp, self._eos, key, draft_limit, greedy=greedy)
+        return fn(self._programs.weights, context, tokens, start, lens, max_new, sp, self._eos, key, draft_limit,
+                  greedy=greedy)
+
+    def _context(self, b: int, *, shapes_only: bool = False):
+        """An empty prompt context (KV of nothing yet) for a prefill of `b` rows."""
+        fn = self._programs.context.eval_shape if shapes_only else self._programs.context
+        return fn(self._programs.weights, batch_size=b)
 
     def _round(self, greedy: bool):
         self._state, out = self._programs.round(self._programs.weights, self._state, greedy=greedy)
@@ -386,8 +451,9 @@ class Engine:
         t = self.min_prompt_bucket
         if b not in self._state_shapes:
             self._state_shapes[b] = self._prefill(
-                jnp.zeros((b, t), jnp.int32), jnp.ones((b,), jnp.int32), jnp.ones((b,), jnp.int32),
-                SamplingParams.full(b), jax.random.split(self._key, b), False, shapes_only=True,
+                self._context(b, shapes_only=True), jnp.zeros((b, t), jnp.int32), jnp.zeros((b,), jnp.int32),
+                jnp.ones((b,), jnp.int32), jnp.ones((b,), jnp.int32), SamplingParams.full(b),
+                jax.random.split(self._key, b), False, shapes_only=True,
             )
         shapes = self._state_shapes[b]
 
@@ -404,14 +470,30 @@ class Engine:
         return state._replace(done=jnp.ones((b,), bool), eos_ids=jnp.array(self._eos, copy=True), key=key)
 
     def _warmup(self) -> None:
-        """Compile what a request can meet: a 1-row prefill and, at every batch bucket, the
-        insert, both round variants (greedy and sampled), the finish and the moves to the next
-        bucket up and down."""
-        sp = SamplingParams.full(1, 1.0)
-        new = self._prefill(jnp.zeros((1, self.min_prompt_bucket), jnp.int32), jnp.ones((1,), jnp.int32),
-                            jnp.full((1,), 2, jnp.int32), sp, jax.random.split(self._key, 1), False)
+        """Compile everything a request can meet, so none waits on a compile: every prefill shape
+        (`prefill_shapes`) and the prompt chunk, and at every batch bucket the inserts of each
+        prefill size, both round variants (greedy and sampled), the finish and the moves to the
+        next bucket up and down."""
+        t0 = time.perf_counter()
+        news = {}
+        for nb, t in self.prefill_shapes:
+            sp = SamplingParams.full(nb, 1.0)
+            news[nb] = self._prefill(self._context(nb), jnp.zeros((nb, t), jnp.int32), jnp.zeros((nb,), jnp.int32),
+                                     jnp.ones((nb,), jnp.int32), jnp.full((nb,), 2, jnp.int32), sp,
+                                     _keys_from_seeds(jnp.zeros((nb,), jnp.uint32)), False)
+        if self.max_model_len > self.prefill_chunk:
+            c = self.prefill_chunk
+            self._programs.chunk(self._programs.weights, self._context(1), jnp.zeros((1, c), jnp.int32),
+                                 jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int32))
+        jax.block_until_ready(news)
+        log.info("compiled %d prefill shapes (rows x prompt bucket, chunk %d) in %.1fs", len(self.prefill_shapes),
+                 self.prefill_chunk, time.perf_counter() - t0)
+        new = news[1]
         for i, b in enumerate(self.buckets):
             t0 = time.perf_counter()
+            for nb, rows in news.items():
+                if nb > 1:
+                    _insert_jit(self._empty_state(b), rows, jnp.full((nb,), b, jnp.int32))
             for greedy in (True, False):
                 self._state = _insert_jit(self._empty_state(b), new, jnp.zeros((1,), jnp.int32))
                 self._round(greedy)
@@ -479,7 +561,8 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not (self._abort or self._waiting or self._any_active() or self._any_cancelled()):
+                while not (self._abort or self._waiting or self._prefills or self._any_active()
+                           or self._any_cancelled()):
                     self._cv.wait()
                 if self._abort:
                     break
@@ -490,17 +573,21 @@ class Engine:
                         self._finish(r, "abort")
                     else:
                         admit.append(r)
+                self._prefills.extend(self._group(admit))
                 self.metrics.queue_depth.set(len(self._waiting))
             try:
                 self._free_cancelled()
-                if admit:
-                    self._admit(admit)
+                if self._prefills:  # one prefill unit per step: a long prompt never stalls the rest for long
+                    self._prefill_step()
                 if self._any_active():
                     self._step()
                 self._maybe_shrink()
             except Exception as e:  # keep serving: fail the requests in flight, reset the batch
                 log.exception("engine step failed")
-                for r in admit + [r for r in self._slots if r is not None]:
+                with self._cv:
+                    failed = self._prefilling_requests() + [r for r in self._slots if r is not None]
+                    self._prefills.clear()
+                for r in failed:
                     self._fail(r, f"internal error in the engine: {type(e).__name__}: {e}")
                 self._slots = [None] * self.buckets[0]
                 self._state = self._empty_state(self.buckets[0])
@@ -508,8 +595,9 @@ class Engine:
             self.metrics.batch_occupancy.set(self._num_active())
         # abort: everything still here ends as "abort"
         with self._cv:
-            rest = list(self._waiting) + [r for r in self._slots if r is not None]
+            rest = list(self._waiting) + self._prefilling_requests() + [r for r in self._slots if r is not None]
             self._waiting.clear()
+            self._prefills.clear()
             self._slots = [None] * len(self._slots)
         for r in rest:
             self._finish(r, "abort")
@@ -519,6 +607,9 @@ class Engine:
 
     def _any_cancelled(self) -> bool:
         return any(r is not None and r.cancelled for r in self._slots)
+
+    def _prefilling_requests(self) -> list[GenRequest]:
+        return [r for j in self._prefills for r in j.reqs]
 
     def _release(self, slots: list[int]) -> None:
         if not slots:
@@ -534,21 +625,63 @@ class Engine:
         for i in gone:
             self._finish(self._slots[i], "abort")
         self._release(gone)
+        with self._cv:  # requests still being prefilled leave their job (a chunked prompt's job ends)
+            for job in self._prefills:
+                for r in job.reqs:
+                    if r.cancelled:
+                        self._finish(r, "abort")
+                job.reqs = [r for r in job.reqs if not r.cancelled]
+            self._prefills = deque(j for j in self._prefills if j.reqs)
 
-    def _admit(self, reqs: list[GenRequest]) -> None:
-        self._resize(max(len(self._slots), self._bucket(self._num_active() + len(reqs))))
-        free = [i for i, r in enumerate(self._slots) if r is None]
-        for r, s in zip(reqs, free, strict=False):  # there may be more free slots than requests
-            r.slot = s
-            self._slots[s] = r
-        for i in range(0, len(reqs), self.max_prefill_batch):
-            self._prefill_isolated(reqs[i : i + self.max_prefill_batch])
+    def _group(self, reqs: list[GenRequest]) -> list[_PrefillJob]:
+        """Admitted requests -> prefill jobs, in order: short prompts share a job while it stays
+        within `max_prefill_batch` prompts and `prefill_chunk` token rows (padding included); a
+        prompt longer than the chunk gets a job of its own, run chunk by chunk."""
+        jobs: list[_PrefillJob] = []
+        group: list[GenRequest] = []
+        for r in reqs:
+            if len(r.prompt_ids) > self.prefill_chunk:
+                jobs.append(_PrefillJob([r]))
+                continue
+            trial = group + [r]
+            rows = _pow2(len(trial)) * prompt_bucket(max(len(q.prompt_ids) for q in trial), self.min_prompt_bucket)
+            if group and (len(trial) > self.max_prefill_batch or rows > self.prefill_chunk):
+                jobs.append(_PrefillJob(group))
+                trial = [r]
+            group = trial
+        if group:
+            jobs.append(_PrefillJob(group))
+        return jobs
 
-    def _prefill_isolated(self, reqs: list[GenRequest]) -> None:
+    def _prefill_step(self) -> None:
+        """One unit of prefill work: the next chunk of a long prompt, or a job's final prefill
+        (its requests then join the batch and get their first token)."""
+        job = self._prefills[0]
+        r = job.reqs[0]
+        if len(r.prompt_ids) - job.written > self.prefill_chunk:
+            c, w = self.prefill_chunk, job.written
+            try:
+                if job.context is None:
+                    job.context = self._context(1)
+                job.context = self._programs.chunk(
+                    self._programs.weights, job.context, jnp.asarray([r.prompt_ids[w : w + c]], jnp.int32),
+                    jnp.asarray([r.prompt_ids[w + c]], jnp.int32), jnp.full((1,), w, jnp.int32))
+                job.written += c
+            except Exception as e:  # noqa: BLE001 - this request fails alone
+                log.exception("prefill chunk of request %d failed", r.id)
+                with self._cv:
+                    self._prefills.popleft()
+                self._fail(r, f"internal error in the engine: {type(e).__name__}")
+            return
+        with self._cv:
+            self._prefills.popleft()
+        self._prefill_isolated(job.reqs, job.context, job.written)
+
+    def _prefill_isolated(self, reqs: list[GenRequest], context=None, start: int = 0) -> None:
         """Prefill a group; if it fails, prefill its requests one by one, so a request that
         breaks its prefill fails alone and its group-mates start as if it had never come."""
         try:
-            new = self._prefill_rows(reqs)
+            new = self._prefill_rows(reqs, context, start)
         except Exception as e:  # noqa: BLE001 - whatever broke, it must not spread
             if len(reqs) > 1:
                 log.warning("prefill of %d requests failed (%s); retrying them one by one", len(reqs), e)
@@ -557,15 +690,18 @@ class Engine:
                 return
             log.exception("prefill of request %d failed", reqs[0].id)
             self._fail(reqs[0], f"internal error in the engine: {type(e).__name__}")
-            self._slots[reqs[0].slot] = None  # never inserted: its row is still the old, done one
             return
         self._insert(reqs, *new)
 
-    def _prefill_rows(self, reqs: list[GenRequest]):
-        """Run the prefill of a group (no engine state touched): (new state rows, host arrays)."""
+    def _prefill_rows(self, reqs: list[GenRequest], context=None, start: int = 0):
+        """Run the final prefill of a group (no engine state touched): (new state rows, host arrays).
+
+        `context` holds the KV of the first `start` prompt positions (a chunked long prompt);
+        without one, the prompts start from nothing.
+        """
         n = len(reqs)
         nb = _pow2(n)
-        t = prompt_bucket(max(len(r.prompt_ids) for r in reqs), self.min_prompt_bucket)
+        t = prompt_bucket(max(len(r.prompt_ids) - start for r in reqs), self.min_prompt_bucket)
         tokens = np.zeros((nb, t), np.int32)
         lens = np.ones((nb,), np.int32)
         max_new = np.ones((nb,), np.int32)
@@ -573,15 +709,13 @@ class Engine:
         top_k = np.zeros((nb,), np.int32)
         top_p = np.ones((nb,), np.float32)
         limit = np.full((nb,), self.num_draft_tokens, np.int32)
-        slots = np.full((nb,), len(self._slots), np.int32)  # padding rows point past the end: dropped
         for i, r in enumerate(reqs):
-            tokens[i, : len(r.prompt_ids)] = r.prompt_ids
+            tokens[i, : len(r.prompt_ids) - start] = r.prompt_ids[start:]
             lens[i] = len(r.prompt_ids)
             max_new[i] = r.max_new_tokens
             temp[i], top_k[i], top_p[i] = r.temperature, r.top_k, r.top_p
             if r.num_speculative_tokens is not None:
                 limit[i] = r.num_speculative_tokens
-            slots[i] = r.slot
         # One PRNG key per sequence: a request with a seed gets the same samples whatever
         # else is in the batch (spec_round advances each key by the row's own round count).
         seeds = np.zeros((nb,), np.uint32)
@@ -592,16 +726,26 @@ class Engine:
                 seeds[i] = self._seed_rng.integers(0, 2**32, dtype=np.uint32)
         key = _keys_from_seeds(jnp.asarray(seeds))
         sp = SamplingParams(jnp.asarray(temp), jnp.asarray(top_k), jnp.asarray(top_p))
+        if context is None:
+            context = self._context(nb)
         # The sampling path is exact for temperature-0 rows too (argmax), and one first token
         # per row is cheap: one prefill compilation per shape instead of two.
-        new = self._prefill(jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(max_new), sp, key, False,
-                            jnp.asarray(limit))
+        new = self._prefill(context, jnp.asarray(tokens), jnp.full((nb,), start, jnp.int32), jnp.asarray(lens),
+                            jnp.asarray(max_new), sp, key, False, jnp.asarray(limit))
         first, done, hit_eos = jax.device_get((new.output[:, 0], new.done, new.hit_eos))
-        return new, slots, lens, first, done, hit_eos
+        return new, lens, first, done, hit_eos
 
-    def _insert(self, reqs: list[GenRequest], new, slots, lens, first, done, hit_eos) -> None:
-        """Write prefilled rows into their slots and emit each request's first token."""
+    def _insert(self, reqs: list[GenRequest], new, lens, first, done, hit_eos) -> None:
+        """Give prefilled requests free rows (growing the batch if needed), write their rows in
+        and emit each request's first token."""
         n = len(reqs)
+        self._resize(max(len(self._slots), self._bucket(self._num_active() + n)))
+        free = [i for i, r in enumerate(self._slots) if r is None]
+        slots = np.full((new.last_token.shape[0],), len(self._slots), np.int32)  # padding rows: dropped
+        for i, (r, s) in enumerate(zip(reqs, free, strict=False)):
+            r.slot = s
+            self._slots[s] = r
+            slots[i] = s
         self._state = _insert_jit(self._state, new, jnp.asarray(slots))
         now = time.perf_counter()
         self.metrics.prompt_tokens.inc(int(lens[:n].sum()))
