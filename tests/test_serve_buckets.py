@@ -39,9 +39,9 @@ class _Run:
         self.rows: list[tuple[int, int]] = []  # (rows computed, live sequences) per round
         real = self.engine._round
 
-        def recording_round(greedy):
+        def recording_round(greedy, speculate=True):
             self.rows.append((len(self.engine._slots), self.engine._num_active()))
-            return real(greedy)
+            return real(greedy, speculate)
 
         self.engine._round = recording_round
         self.events: dict[int, list] = collections.defaultdict(list)
@@ -193,9 +193,9 @@ def test_long_prompts_prefill_in_chunks_between_rounds_and_nothing_compiles_afte
         calls.append("chunk")
         return real_chunk(*a, **kw)
 
-    def round_(greedy):
+    def round_(greedy, speculate=True):
         calls.append("round")
-        return real_round(greedy)
+        return real_round(greedy, speculate)
 
     programs.chunk, run.engine._round = chunk, round_
     rng = np.random.default_rng(0)

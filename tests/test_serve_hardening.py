@@ -101,9 +101,9 @@ def test_non_streaming_disconnect_frees_the_slot_while_tokens_flow(models):
     engine = app.state.engine
     real_round = engine._round
 
-    def slow_round(greedy):  # tokens keep arriving (every 50 ms), so an idle-time check never fires
+    def slow_round(greedy, speculate=True):  # tokens keep arriving (every 50 ms), so an idle-time check never fires
         time.sleep(0.05)
-        return real_round(greedy)
+        return real_round(greedy, speculate)
 
     engine._round = slow_round
     with serve_in_thread(app) as url:

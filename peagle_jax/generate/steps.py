@@ -75,6 +75,10 @@ class SpecConfig:
     greedy: bool
     capacity: int  # KV rows per sequence
     out_size: int  # output buffer per sequence
+    #: Also compile a plain round, taken when no active sequence may accept a draft (every
+    #: draft limit 0: speculation off per request, or chosen off by an adaptive server): a
+    #: 1-row decode step without the drafter, see `_plain_round`. Head methods only.
+    plain_rounds: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -83,6 +87,9 @@ class SpecConfig:
             raise ValueError(f"method 'none' drafts nothing: num_draft_tokens must be 0, got {self.num_draft_tokens}")
         if self.method != "none" and self.num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1 for method {self.method!r}, got {self.num_draft_tokens}")
+        if self.plain_rounds and self.method not in ("eagle3", "peagle"):
+            raise ValueError(f"plain_rounds applies to the head methods eagle3 and peagle, not {self.method!r} "
+                             "(n-gram methods already verify no rows where nothing is drafted)")
         if self.capacity < 1 or self.out_size < 1:
             raise ValueError(f"capacity and out_size must be >= 1, got {self.capacity} and {self.out_size}")
 
@@ -255,6 +262,42 @@ def _target_step(target: CausalLM, state: SpecState, proposal: Proposal, key: ja
     return jax.lax.switch(verify_width_index(widths, limit, active), [branch(w) for w in widths])
 
 
+def _plain_round(target: CausalLM, drafter: Proposer, state: SpecState, config: SpecConfig, key: jax.Array,
+                 active: Bool[Array, " B"]):
+    """A round of a head method that drafts nothing: one 1-row target step, no drafter forward.
+
+    The new row (the feature of position n_b with the token after it) joins the pending rows
+    instead of going to the drafter; only when a sequence's pending buffer (K+1 rows) is full
+    are the rows written into the drafter's cache in one pass (`Proposer.prefill`), so plain
+    rounds cost a decode step plus one small drafter pass every few rounds, and the next
+    speculative round drafts from exactly the rows it would have had.
+    """
+    w = config.num_draft_tokens + 1
+    out, m, nxt = _plain_step(target, state, key, config.greedy, return_aux=config.uses_features)
+    count = state.num_pending
+    flush = jnp.any(active & (count >= w))
+
+    def write_pending(_):
+        base = state.target_cache.lengths - count  # rows past `count` land above it: dead, overwritten later
+        positions = base[:, None] + jnp.arange(w)[None, :]
+        cache = drafter.prefill(state.drafter_cache, state.pending_tokens, state.pending_feats, positions)
+        return cache, jnp.zeros_like(count)
+
+    dcache, kept = jax.lax.cond(flush, write_pending, lambda _: (state.drafter_cache, count), None)
+    kept = jnp.where(active, kept, count)
+    col = jnp.where(active, kept, w)  # where the new row goes (w: dropped)
+    b = jnp.arange(count.shape[0])
+    pend_tok = state.pending_tokens.at[b, col].set(nxt, mode="drop")
+    pend_feat = state.pending_feats
+    if config.uses_features:
+        pend_feat = pend_feat.at[b, col].set(drafter.project(out.aux_hidden[:, 0]).astype(pend_feat.dtype),
+                                             mode="drop")
+    if not config.uses_features:
+        pend_feat = None
+    emitted = pad_rows(nxt[:, None], w)
+    return out.cache, dcache, m, nxt, emitted, pend_tok, pend_feat, jnp.where(active, kept + 1, count)
+
+
 def spec_round(target: CausalLM, drafter: Proposer | None, state: SpecState, config: SpecConfig) -> SpecState:
     """One speculative round over the whole batch (finished sequences are frozen)."""
     active = ~state.done
@@ -269,18 +312,29 @@ def spec_round(target: CausalLM, drafter: Proposer | None, state: SpecState, con
         out, m, nxt = _plain_step(target, state, k_verify, config.greedy)
         tcache = out.cache
         emitted = nxt[:, None]
-        dcache, pend_tok, pend_feat = state.drafter_cache, state.pending_tokens, state.pending_feats
+        dcache, pend_tok, pend_feat, num_pending = (state.drafter_cache, state.pending_tokens, state.pending_feats,
+                                                    state.num_pending)
     else:
-        settings = draft_settings(config, state, k_draft, target.config.vocab_size)
-        proposal = drafter.propose(state.drafter_cache, pending_rows(state), settings)
-        drafts, dcache = proposal.tokens, proposal.cache
-        tcache, m, nxt, aux = _target_step(target, state, proposal, k_verify, config, active)
-        rows = jnp.arange(k + 1)[None, :]
-        emitted = jnp.where(rows == m[:, None], nxt[:, None], pad_rows(drafts, k + 1))
-        pend_tok = _select(active, emitted, state.pending_tokens)
-        pend_feat = None
-        if config.uses_features:
-            pend_feat = _select(active, drafter.project(aux), state.pending_feats)
+        def speculative():
+            settings = draft_settings(config, state, k_draft, target.config.vocab_size)
+            proposal = drafter.propose(state.drafter_cache, pending_rows(state), settings)
+            tcache, m, nxt, aux = _target_step(target, state, proposal, k_verify, config, active)
+            rows = jnp.arange(k + 1)[None, :]
+            emitted = jnp.where(rows == m[:, None], nxt[:, None], pad_rows(proposal.tokens, k + 1))
+            pend_tok = _select(active, emitted, state.pending_tokens)
+            pend_feat = None
+            if config.uses_features:
+                pend_feat = _select(active, drafter.project(aux), state.pending_feats)
+            num_pending = jnp.where(active, m + 1, state.num_pending)
+            return tcache, proposal.cache, m, nxt, emitted, pend_tok, pend_feat, num_pending
+
+        if config.plain_rounds:
+            need = jnp.max(jnp.where(active, state.draft_limit, 0))
+            branches = jax.lax.cond(need > 0, speculative, lambda: _plain_round(target, drafter, state, config,
+                                                                                 k_verify, active))
+        else:
+            branches = speculative()
+        tcache, dcache, m, nxt, emitted, pend_tok, pend_feat, num_pending = branches
 
     num_new = m + 1
     output, out_len, done, hit_eos = _commit(state, emitted, num_new, k + 1)
@@ -294,7 +348,7 @@ def spec_round(target: CausalLM, drafter: Proposer | None, state: SpecState, con
         last_token=jnp.where(active, nxt, state.last_token),
         pending_tokens=pend_tok,
         pending_feats=pend_feat,
-        num_pending=jnp.where(active, num_new, state.num_pending),
+        num_pending=num_pending,
         output=output,
         out_len=out_len,
         done=done,

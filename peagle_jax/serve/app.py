@@ -79,11 +79,13 @@ def _build_context(config: ServeConfig, loaded: LoadedModel) -> ServerContext:
         num_draft_tokens=config.num_draft_tokens, max_batch_size=config.max_batch_size, max_model_len=max_len,
         max_queue_size=config.max_queue_size, max_prefill_batch=config.max_prefill_batch,
         min_prompt_bucket=config.min_prompt_bucket, prefill_chunk=config.prefill_chunk, seed=config.seed,
+        adaptive=config.method == "auto",
     )
     name = loaded.model_name
     aliases = frozenset({name, "default"} if name == _DEFAULT_MODEL_NAME else {name})
-    log.info("serving %s: method=%s K=%d batch=%d max_model_len=%d", name, loaded.method,
-             engine.num_draft_tokens, config.max_batch_size, max_len)
+    log.info("serving %s: method=%s%s K=%d batch=%d max_model_len=%d", name, loaded.method,
+             " (adaptive: speculates only where it pays)" if engine.adaptive else "", engine.num_draft_tokens,
+             config.max_batch_size, max_len)
     return ServerContext(engine=engine, config=config, metrics=engine.metrics,
                          tokenizer=copy.deepcopy(loaded.tokenizer),
                          model_name=name, model_aliases=aliases, method=loaded.method, max_model_len=max_len,

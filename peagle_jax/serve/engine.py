@@ -59,6 +59,7 @@ from peagle_jax.generate.steps import (
     take_sequences,
 )
 from peagle_jax.sampling import SamplingParams
+from peagle_jax.serve.adaptive import AdaptivePolicy
 from peagle_jax.serve.detokenize import IncrementalDetokenizer, StopStrings
 from peagle_jax.serve.metrics import Metrics
 
@@ -124,6 +125,8 @@ class GenRequest:
     completion_tokens: int = 0
     accepted_tokens: int = 0
     target_forwards: int = 0
+    spec_rounds: int = 0  # rounds in which it could accept drafts
+    accepted_mean: float | None = None  # running mean of its accepted drafts per such round (adaptive)
     detok: IncrementalDetokenizer | None = None
     stopper: StopStrings | None = None
     finished: bool = False
@@ -170,11 +173,15 @@ class _Programs:
             return prefill(target, drafter, tokens, lens, dataclasses.replace(spec, greedy=greedy), max_new=max_new,
                            sp=sp, eos_ids=eos_ids, key=key, draft_limit=draft_limit, context=context, start=start)
 
-        def round_fn(weights, state, greedy):
-            """One round; also returns what the host needs: the new tokens of each row and stats."""
+        def round_fn(weights, state, speculate, greedy):
+            """One round; also returns what the host needs: the new tokens of each row and stats.
+            `speculate` False runs it with every draft limit 0 (a plain round, see SpecConfig)."""
             target, drafter = models(weights)
             prev_len, prev_hist = state.out_len, state.accepted_per_pos
-            new = spec_round(target, drafter, state, dataclasses.replace(spec, greedy=greedy))
+            limit = state.draft_limit
+            new = spec_round(target, drafter, state._replace(draft_limit=jnp.where(speculate, limit, 0)),
+                             dataclasses.replace(spec, greedy=greedy))
+            new = new._replace(draft_limit=limit)
             idx = prev_len[:, None] + jnp.arange(spec.num_draft_tokens + 1)[None, :]
             toks = jnp.take_along_axis(new.output, jnp.minimum(idx, new.output.shape[1] - 1), axis=1)
             accepted = jnp.sum(new.accepted_per_pos - prev_hist, axis=1)
@@ -266,10 +273,18 @@ class Engine:
         seed: int = 0,
         metrics: Metrics | None = None,
         shrink_after: int = 8,
+        adaptive: bool = False,
     ):
+        """adaptive: choose each round between speculating and a plain decode step by measured
+        tokens per second (`serve.adaptive`); head methods (eagle3, peagle) only, else ignored."""
         k = num_draft_tokens if method != "none" else 0
-        # Greedy is chosen per round (all rows greedy or not); the rest is fixed per engine.
-        self._spec = SpecConfig(method, k, True, cache_capacity(max_model_len, 0, k), max_model_len)
+        head = method in ("eagle3", "peagle")
+        # Greedy is chosen per round (all rows greedy or not); the rest is fixed per engine. Head
+        # methods also compile a plain round: when no sequence may take drafts (requests that
+        # turn speculation off, or the adaptive policy), a round costs one decode step.
+        self._spec = SpecConfig(method, k, True, cache_capacity(max_model_len, 0, k), max_model_len, plain_rounds=head)
+        self.adaptive = adaptive and head
+        self._policy = AdaptivePolicy() if self.adaptive else None
         self._spec.check_drafter(drafter)
         max_ctx = target.config.max_position_embeddings
         if max_model_len > max_ctx:
@@ -443,8 +458,9 @@ class Engine:
         fn = self._programs.context.eval_shape if shapes_only else self._programs.context
         return fn(self._programs.weights, batch_size=b)
 
-    def _round(self, greedy: bool):
-        self._state, out = self._programs.round(self._programs.weights, self._state, greedy=greedy)
+    def _round(self, greedy: bool, speculate: bool = True):
+        self._state, out = self._programs.round(self._programs.weights, self._state, jnp.asarray(speculate),
+                                                greedy=greedy)
         return jax.device_get(out)
 
     def _empty_state(self, b: int) -> SpecState:
@@ -758,10 +774,29 @@ class Engine:
                 finished.append(r.slot)
         self._release(finished)
 
+    def _draft_cap(self, r: GenRequest) -> int:
+        return self.num_draft_tokens if r.num_speculative_tokens is None else r.num_speculative_tokens
+
     def _step(self) -> None:
         active = [r for r in self._slots if r is not None]
         greedy = all(r.temperature <= 0 for r in active)
-        toks, counts, done, hit_eos, accepted = self._round(greedy)
+        rows = len(self._slots)
+        speculate = any(self._draft_cap(r) > 0 for r in active)  # else the round is plain anyway
+        # A seeded sampled request's text is reproducible whatever shares its batch only if its
+        # rounds are speculative or not independently of the others: rounds it is in always are.
+        pinned = any(r.seed is not None and r.temperature > 0 for r in active)
+        if speculate and self._policy is not None and not pinned:
+            expected = [self._policy.expected_tokens(r.accepted_mean, r.spec_rounds, self._draft_cap(r))
+                        for r in active]
+            speculate = self._policy.choose(rows, greedy, expected)
+            self.metrics.adaptive_rounds.labels(choice="speculate" if speculate else "plain").inc()
+        t0 = time.perf_counter()
+        toks, counts, done, hit_eos, accepted = self._round(greedy, speculate)
+        if self._policy is not None:
+            self._policy.observe_round(rows, speculate, greedy, time.perf_counter() - t0)
+            kind = f"{'speculative' if speculate else 'plain'}_{'greedy' if greedy else 'sampled'}"
+            self.metrics.round_seconds.labels(rows=str(rows), round=kind).set(
+                self._policy.costs[(rows, speculate, greedy)])
         self.metrics.engine_steps.inc()
         finished = []
         for s, r in enumerate(self._slots):
@@ -771,6 +806,11 @@ class Engine:
             m = int(accepted[s])
             r.accepted_tokens += m
             r.target_forwards += 1
+            if speculate and self._draft_cap(r) > 0:
+                r.spec_rounds += 1
+                if self._policy is not None:
+                    r.accepted_mean = self._policy.update_sequence(r.accepted_mean, m)
+                    self._policy.observe_acceptance(m)
             self.metrics.acceptance_length.observe(m + 1)
             for pos in range(m):
                 self.metrics.accepted.labels(position=str(pos + 1)).inc()

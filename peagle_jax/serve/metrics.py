@@ -41,6 +41,12 @@ class Metrics:
         self.batch_rows.set(1)
         self.batch_resizes = Counter("peagle_batch_resizes", "Moves of the live sequences to another batch bucket",
                                      registry=r)
+        self.adaptive_rounds = Counter(
+            "peagle_adaptive_rounds", "Rounds of an adaptive (--method auto) engine by its choice: speculate or a "
+            "plain decode step", ["choice"], registry=r)
+        self.round_seconds = Gauge(
+            "peagle_round_seconds", "An adaptive engine's running mean of its round time, by batch rows and kind of "
+            "round (what its choices compare)", ["rows", "round"], registry=r)
         self.ttft = Histogram(
             "peagle_time_to_first_token_seconds", "Arrival to first generated token", buckets=_LATENCY_BUCKETS,
             registry=r)

@@ -1,0 +1,81 @@
+"""Adaptive speculation (`--method auto`): each round, speculate or not, whichever is expected
+to give more tokens per second at the batch the engine is running.
+
+A speculative round of R rows costs T_spec(R) and gives each sequence 1 + (its accepted drafts)
+tokens; a plain round costs T_plain(R) and gives each one token. The engine has both rounds
+compiled (`SpecConfig.plain_rounds`), times every round it runs, and keeps per sequence a
+running mean of the drafts it accepted. It speculates when
+
+    sum_i (1 + a_i) / T_spec(R)  >  n / T_plain(R)
+
+over the n live sequences. Costs are measured, not assumed: they depend on the machine, the
+batch bucket and greedy vs sampled rounds, so each (rows, speculate, greedy) keeps its own
+running mean. Every `explore_every`-th round takes the other choice, so both costs and the
+acceptance estimates stay current when the workload changes (a sequence whose acceptance is
+only measured in speculative rounds would otherwise never be tried again).
+
+Both rounds are exact (greedy output is plain decoding's; sampling draws from the target's
+distribution), but a sampled sequence's particular draws differ between them. So rounds that
+hold a seeded sampled request always speculate: its text stays reproducible whatever else
+shares its batch (`serve.engine`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+
+@dataclasses.dataclass
+class AdaptivePolicy:
+    explore_every: int = 32  # every n-th round tries the choice that is not the best (about 3% of rounds)
+    smoothing: float = 0.25  # weight of a new observation in the running means
+    prior_weight: float = 2.0  # rounds' worth of the global mean in a young sequence's estimate
+    mean_accepted: float = 1.0  # running mean of accepted drafts per speculative round, all sequences
+    costs: dict[tuple[int, bool, bool], float] = dataclasses.field(default_factory=dict)  # seconds per round
+    rounds: int = 0
+
+    def __post_init__(self):
+        if self.explore_every < 2 or not 0 < self.smoothing <= 1 or self.prior_weight < 0:
+            raise ValueError(f"need explore_every >= 2, smoothing in (0, 1] and prior_weight >= 0; got "
+                             f"{self.explore_every}, {self.smoothing}, {self.prior_weight}")
+
+    def _mean(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.smoothing * (new - old)
+
+    def expected_tokens(self, accepted_mean: float | None, spec_rounds: int, draft_cap: int) -> float:
+        """Tokens one speculative round is expected to give a sequence: 1 + its accepted drafts
+        (its own running mean, shrunk toward all sequences' mean while it has few rounds)."""
+        if draft_cap == 0:
+            return 1.0
+        own = self.mean_accepted if accepted_mean is None else accepted_mean
+        w = self.prior_weight
+        return 1.0 + min((spec_rounds * own + w * self.mean_accepted) / (spec_rounds + w), draft_cap)
+
+    def best(self, rows: int, greedy: bool, expected: Sequence[float]) -> bool:
+        """Speculate? By the measured costs; True until speculating was measured, then False
+        until plain rounds were (the first two rounds at each batch size measure both)."""
+        spec, plain = self.costs.get((rows, True, greedy)), self.costs.get((rows, False, greedy))
+        if spec is None:
+            return True
+        if plain is None:
+            return False
+        return sum(expected) / spec > len(expected) / plain
+
+    def choose(self, rows: int, greedy: bool, expected: Sequence[float]) -> bool:
+        """This round's choice: the best one, except every `explore_every`-th round."""
+        self.rounds += 1
+        best = self.best(rows, greedy, expected)
+        return (not best) if self.rounds % self.explore_every == 0 else best
+
+    def observe_round(self, rows: int, speculate: bool, greedy: bool, seconds: float) -> None:
+        key = (rows, speculate, greedy)
+        self.costs[key] = self._mean(self.costs.get(key), seconds)
+
+    def observe_acceptance(self, accepted: int) -> None:
+        """One sequence's accepted drafts in a speculative round."""
+        self.mean_accepted = self._mean(self.mean_accepted, float(accepted))
+
+    def update_sequence(self, accepted_mean: float | None, accepted: int) -> float:
+        """A sequence's running mean after a speculative round in which it accepted `accepted`."""
+        return self._mean(accepted_mean, float(accepted))
