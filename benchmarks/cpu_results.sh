@@ -7,6 +7,7 @@
 # Sizes are environment variables, e.g. LIMIT=164 MAX_NEW=128 for the whole HumanEval set:
 #   offline     LIMIT (prompts per dataset, 24)  MAX_NEW (128)  KS ("3 5 7")  BATCHES ("1 4")
 #   online      CONCURRENCY ("1 4 16")  REQUESTS (32)  TIME_LIMIT (60 s per level)  ONLINE_K (5)
+#               MAX_BATCH (16)  ONLINE_METHODS ("none eagle3 peagle auto"; auto: adaptive, P-EAGLE head)
 #   acceptance  ACC_LIMIT (all 164 HumanEval + the 10 MT-Bench coding questions)  ACC_MAX_NEW (64)
 # Results: results/offline, results/online, results/acceptance (JSON, Markdown, PNG).
 set -euo pipefail
@@ -26,22 +27,27 @@ offline() {
 
 online() {
   local port=${PORT:-8765} k=${ONLINE_K:-5} conc=${CONCURRENCY:-1 4 16}
-  local maxc=${conc##* }
   local fresh=--fresh
-  for spec in "none none" "eagle3 $EAGLE3" "peagle $PEAGLE"; do
-    set -- $spec
-    local method=$1 head=$2 label=$1
+  mkdir -p results/online
+  rm -f results/online/startup.txt
+  for method in ${ONLINE_METHODS:-none eagle3 peagle auto}; do
+    local head=$PEAGLE label=$method
+    [ "$method" = none ] && head=none
+    [ "$method" = eagle3 ] && head=$EAGLE3
     [ "$method" != none ] && label="$method-K$k"
+    local t0=$SECONDS
     $PY -m peagle_jax.serve --port "$port" --method "$method" --drafter "$head" -k "$k" \
-      --max-batch-size "$maxc" --max-model-len 1024 --log-level warning &
+      --max-batch-size "${MAX_BATCH:-16}" --max-model-len 1024 --log-level warning &
     local pid=$!
     # shellcheck disable=SC2064
     trap "kill $pid 2>/dev/null || true" EXIT
-    for _ in $(seq 600); do
+    for _ in $(seq 1200); do
       curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
       kill -0 "$pid" 2>/dev/null || { echo "server ($method) exited before it was ready" >&2; exit 1; }
       sleep 1
     done
+    # start-up: loading, and compiling every prefill shape and round before /health says ready
+    echo "$label: ready in $((SECONDS - t0)) s" | tee -a results/online/startup.txt
     # shellcheck disable=SC2086
     $PY -m benchmarks.online --base-url "http://127.0.0.1:$port/v1" --label "$label" $fresh \
       --concurrency $conc --requests "${REQUESTS:-32}" --time-limit "${TIME_LIMIT:-60}" \

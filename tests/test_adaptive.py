@@ -83,7 +83,10 @@ def test_adaptive_engine_output_equals_plain_decoding_and_reports_its_choices():
     engine = Engine(target, drafter, tok, eos, method="peagle", num_draft_tokens=K, max_batch_size=2,
                     max_model_len=MAX_LEN, adaptive=True)
     assert engine.adaptive
-    engine.start(warmup=False)
+    engine.start(warmup=True)  # which also measures every kind of round for the policy
+    kinds = {(b, s, g) for b in engine.buckets for s in (True, False) for g in (True, False)}
+    assert set(engine._policy.cost_table()) == kinds
+    assert all(c > 0 for c in engine._policy.cost_table().values())
     texts: dict[int, str] = {0: "", 1: ""}
     done = threading.Semaphore(0)
 

@@ -100,6 +100,7 @@ def test_shipped_configs_validate():
 @pytest.mark.parametrize("argv,needle", [
     (["--mesh", "data=0"], "mesh"),
     (["--max-batch-size", "0"], "max_batch_size"),
+    (["--prefill-chunk", "100"], "prefill_chunk 100 must be a prompt bucket"),
     (["--config", "/nonexistent/x.yaml"], "error"),
     (["--model", "/nonexistent/model.gguf", "--no-warmup"], "does not exist"),
 ])

@@ -9,10 +9,11 @@ running mean of the drafts it accepted. It speculates when
     sum_i (1 + a_i) / T_spec(R)  >  n / T_plain(R)
 
 over the n live sequences. Costs are measured, not assumed: they depend on the machine, the
-batch bucket and greedy vs sampled rounds, so each (rows, speculate, greedy) keeps its own
-running mean. Every `explore_every`-th round takes the other choice, so both costs and the
-acceptance estimates stay current when the workload changes (a sequence whose acceptance is
-only measured in speculative rounds would otherwise never be tried again).
+batch bucket and greedy vs sampled rounds, so each (rows, speculate, greedy) keeps its recent
+round times and uses their median (the engine's warm-up measures every kind first). Every
+`explore_every`-th round takes the other choice, so both costs and the acceptance estimates
+stay current when the workload changes (a sequence whose acceptance is only measured in
+speculative rounds would otherwise never be tried again).
 
 Both rounds are exact (greedy output is plain decoding's; sampling draws from the target's
 distribution), but a sampled sequence's particular draws differ between them. So rounds that
@@ -23,7 +24,10 @@ shares its batch (`serve.engine`).
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import Sequence
+
+import numpy as np
 
 
 @dataclasses.dataclass
@@ -32,7 +36,8 @@ class AdaptivePolicy:
     smoothing: float = 0.25  # weight of a new observation in the running means
     prior_weight: float = 2.0  # rounds' worth of the global mean in a young sequence's estimate
     mean_accepted: float = 1.0  # running mean of accepted drafts per speculative round, all sequences
-    costs: dict[tuple[int, bool, bool], float] = dataclasses.field(default_factory=dict)  # seconds per round
+    window: int = 9  # recent round times per kind of round; their median is its cost
+    samples: dict[tuple[int, bool, bool], deque] = dataclasses.field(default_factory=dict)
     rounds: int = 0
 
     def __post_init__(self):
@@ -55,7 +60,7 @@ class AdaptivePolicy:
     def best(self, rows: int, greedy: bool, expected: Sequence[float]) -> bool:
         """Speculate? By the measured costs; True until speculating was measured, then False
         until plain rounds were (the first two rounds at each batch size measure both)."""
-        spec, plain = self.costs.get((rows, True, greedy)), self.costs.get((rows, False, greedy))
+        spec, plain = self.cost(rows, True, greedy), self.cost(rows, False, greedy)
         if spec is None:
             return True
         if plain is None:
@@ -69,8 +74,16 @@ class AdaptivePolicy:
         return (not best) if self.rounds % self.explore_every == 0 else best
 
     def observe_round(self, rows: int, speculate: bool, greedy: bool, seconds: float) -> None:
-        key = (rows, speculate, greedy)
-        self.costs[key] = self._mean(self.costs.get(key), seconds)
+        self.samples.setdefault((rows, speculate, greedy), deque(maxlen=self.window)).append(seconds)
+
+    def cost(self, rows: int, speculate: bool, greedy: bool) -> float | None:
+        """Seconds per round of this kind: the median of the recent ones (a stray slow round,
+        e.g. one that shared the CPU with a compile, does not move it); None if never run."""
+        got = self.samples.get((rows, speculate, greedy))
+        return float(np.median(got)) if got else None
+
+    def cost_table(self) -> dict[tuple[int, bool, bool], float]:
+        return {key: self.cost(*key) for key in self.samples}
 
     def observe_acceptance(self, accepted: int) -> None:
         """One sequence's accepted drafts in a speculative round."""

@@ -34,10 +34,12 @@ import dataclasses
 import functools
 import itertools
 import logging
+import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -491,39 +493,81 @@ class Engine:
         prefill size, both round variants (greedy and sampled), the finish and the moves to the
         next bucket up and down."""
         t0 = time.perf_counter()
-        news = {}
-        for nb, t in self.prefill_shapes:
+        sizes = sorted({nb for nb, _ in self.prefill_shapes})
+        for nb in sizes:  # the small programs first, once each
+            jax.block_until_ready((self._context(nb), _keys_from_seeds(jnp.zeros((nb,), jnp.uint32))))
+
+        def compile_prefill(shape):
+            nb, t = shape
             sp = SamplingParams.full(nb, 1.0)
-            news[nb] = self._prefill(self._context(nb), jnp.zeros((nb, t), jnp.int32), jnp.zeros((nb,), jnp.int32),
-                                     jnp.ones((nb,), jnp.int32), jnp.full((nb,), 2, jnp.int32), sp,
-                                     _keys_from_seeds(jnp.zeros((nb,), jnp.uint32)), False)
-        if self.max_model_len > self.prefill_chunk:
+            return nb, jax.block_until_ready(self._prefill(
+                self._context(nb), jnp.zeros((nb, t), jnp.int32), jnp.zeros((nb,), jnp.int32),
+                jnp.ones((nb,), jnp.int32), jnp.full((nb,), 64, jnp.int32), sp,
+                _keys_from_seeds(jnp.zeros((nb,), jnp.uint32)), False))
+
+        def compile_chunk(_):
             c = self.prefill_chunk
-            self._programs.chunk(self._programs.weights, self._context(1), jnp.zeros((1, c), jnp.int32),
-                                 jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int32))
-        jax.block_until_ready(news)
+            return 0, jax.block_until_ready(self._programs.chunk(
+                self._programs.weights, self._context(1), jnp.zeros((1, c), jnp.int32), jnp.zeros((1,), jnp.int32),
+                jnp.zeros((1,), jnp.int32)))
+
+        # XLA compiles one program on one core: compile the shapes side by side (threads; the
+        # compiler releases the GIL), about halving this part of start-up on 2 cores.
+        jobs = [(compile_prefill, shape) for shape in self.prefill_shapes]
+        if self.max_model_len > self.prefill_chunk:
+            jobs.append((compile_chunk, None))
+        with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+            news = dict(pool.map(lambda job: job[0](job[1]), jobs))
+        news.pop(0, None)
         log.info("compiled %d prefill shapes (rows x prompt bucket, chunk %d) in %.1fs", len(self.prefill_shapes),
                  self.prefill_chunk, time.perf_counter() - t0)
         new = news[1]
-        for i, b in enumerate(self.buckets):
-            t0 = time.perf_counter()
+
+        def compile_bucket(i: int) -> float:
+            """Bucket i's programs, on a state of its own (buckets compile side by side)."""
+            t1, b = time.perf_counter(), self.buckets[i]
             for nb, rows in news.items():
                 if nb > 1:
                     _insert_jit(self._empty_state(b), rows, jnp.full((nb,), b, jnp.int32))
             for greedy in (True, False):
-                self._state = _insert_jit(self._empty_state(b), new, jnp.zeros((1,), jnp.int32))
-                self._round(greedy)
-                self._state = _finish_jit(self._state, jnp.ones((b,), bool))
+                state = _insert_jit(self._empty_state(b), new, jnp.zeros((1,), jnp.int32))
+                state, _ = self._programs.round(self._programs.weights, state, jnp.asarray(True), greedy=greedy)
+                state = _finish_jit(state, jnp.ones((b,), bool))
             for small in self.buckets[:i]:  # growing: from any smaller bucket at once
-                self._state = _insert_jit(self._empty_state(b), self._empty_state(small),
-                                          jnp.arange(small, dtype=jnp.int32))
+                _insert_jit(self._empty_state(b), self._empty_state(small), jnp.arange(small, dtype=jnp.int32))
             if i > 0:  # shrinking: one bucket down at a time
-                self._state = _take_jit(self._state, jnp.arange(self.buckets[i - 1], dtype=jnp.int32))
-            jax.block_until_ready(self._state)
-            log.info("compiled batch bucket %d (%d of %d) in %.1fs", b, i + 1, len(self.buckets),
-                     time.perf_counter() - t0)
+                state = _take_jit(state, jnp.arange(self.buckets[i - 1], dtype=jnp.int32))
+            jax.block_until_ready(state)
+            return time.perf_counter() - t1
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+            times = list(pool.map(compile_bucket, range(len(self.buckets))))
+        log.info("compiled the rounds of batch buckets %s in %.1fs (%s s each, side by side)", list(self.buckets),
+                 time.perf_counter() - t0, ", ".join(f"{t:.1f}" for t in times))
+        if self._policy is not None:
+            self._time_rounds(new)
         self._state = self._empty_state(self.buckets[0])
         self._slots = [None] * self.buckets[0]
+
+    def _time_rounds(self, new: SpecState) -> None:
+        """Seed the adaptive policy with measured round costs: at every bucket, greedy and
+        sampled, speculative and plain (the first run of each is not counted: it pays one-time
+        costs). One live row costs what a full batch does: the shapes are static."""
+        for b in self.buckets:
+            for greedy in (True, False):
+                for speculate in (True, False):
+                    state = _insert_jit(self._empty_state(b), new, jnp.zeros((1,), jnp.int32))
+                    for rep in range(3):
+                        t1 = time.perf_counter()
+                        state, out = self._programs.round(self._programs.weights, state, jnp.asarray(speculate),
+                                                          greedy=greedy)
+                        jax.device_get(out)
+                        if rep:
+                            self._policy.observe_round(b, speculate, greedy, time.perf_counter() - t1)
+        log.info("measured round costs (ms, rows/speculative/greedy): %s", ", ".join(
+            f"{r}/{'S' if s else 'P'}/{'G' if g else 'S'} {1e3 * c:.1f}"
+            for (r, s, g), c in sorted(self._policy.cost_table().items())))
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -796,7 +840,7 @@ class Engine:
             self._policy.observe_round(rows, speculate, greedy, time.perf_counter() - t0)
             kind = f"{'speculative' if speculate else 'plain'}_{'greedy' if greedy else 'sampled'}"
             self.metrics.round_seconds.labels(rows=str(rows), round=kind).set(
-                self._policy.costs[(rows, speculate, greedy)])
+                self._policy.cost(rows, speculate, greedy))
         self.metrics.engine_steps.inc()
         finished = []
         for s, r in enumerate(self._slots):
