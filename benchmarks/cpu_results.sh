@@ -7,7 +7,7 @@
 # Sizes are environment variables, e.g. LIMIT=164 MAX_NEW=128 for the whole HumanEval set:
 #   offline     LIMIT (prompts per dataset, 24)  MAX_NEW (128)  KS ("3 5 7")  BATCHES ("1 4")
 #   online      CONCURRENCY ("1 4 16")  REQUESTS (32)  TIME_LIMIT (60 s per level)  ONLINE_K (5)
-#               MAX_BATCH (16)  ONLINE_METHODS ("none eagle3 peagle auto"; auto: adaptive, P-EAGLE head)
+#               MAX_BATCH (16)  ONLINE_OUT (results/online)  ONLINE_METHODS ("none eagle3 peagle auto"; auto: adaptive, P-EAGLE head)
 #   acceptance  ACC_LIMIT (all 164 HumanEval + the 10 MT-Bench coding questions)  ACC_MAX_NEW (64)
 # Results: results/offline, results/online, results/acceptance (JSON, Markdown, PNG).
 set -euo pipefail
@@ -28,8 +28,9 @@ offline() {
 online() {
   local port=${PORT:-8765} k=${ONLINE_K:-5} conc=${CONCURRENCY:-1 4 16}
   local fresh=--fresh
-  mkdir -p results/online
-  rm -f results/online/startup.txt
+  local out=${ONLINE_OUT:-results/online}
+  mkdir -p "$out"
+  rm -f "$out/startup.txt"
   for method in ${ONLINE_METHODS:-none eagle3 peagle auto}; do
     local head=$PEAGLE label=$method
     [ "$method" = none ] && head=none
@@ -47,11 +48,11 @@ online() {
       sleep 1
     done
     # start-up: loading, and compiling every prefill shape and round before /health says ready
-    echo "$label: ready in $((SECONDS - t0)) s" | tee -a results/online/startup.txt
+    echo "$label: ready in $((SECONDS - t0)) s" | tee -a "$out/startup.txt"
     # shellcheck disable=SC2086
     $PY -m benchmarks.online --base-url "http://127.0.0.1:$port/v1" --label "$label" $fresh \
       --concurrency $conc --requests "${REQUESTS:-32}" --time-limit "${TIME_LIMIT:-60}" \
-      --max-tokens "${MAX_NEW:-128}" --dataset humaneval --out results/online
+      --max-tokens "${MAX_NEW:-128}" --dataset humaneval --out "$out"
     fresh=
     kill "$pid"; wait "$pid" 2>/dev/null || true
     trap - EXIT

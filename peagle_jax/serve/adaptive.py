@@ -3,8 +3,8 @@ to give more tokens per second at the batch the engine is running.
 
 A speculative round of R rows costs T_spec(R) and gives each sequence 1 + (its accepted drafts)
 tokens; a plain round costs T_plain(R) and gives each one token. The engine has both rounds
-compiled (`SpecConfig.plain_rounds`), times every round it runs, and keeps per sequence a
-running mean of the drafts it accepted. It speculates when
+compiled (`SpecConfig.plain_rounds`), times every round it runs, and counts per sequence the
+drafts it accepted over its speculative rounds. It speculates when
 
     sum_i (1 + a_i) / T_spec(R)  >  n / T_plain(R)
 
@@ -33,8 +33,8 @@ import numpy as np
 @dataclasses.dataclass
 class AdaptivePolicy:
     explore_every: int = 32  # every n-th round tries the choice that is not the best (about 3% of rounds)
-    smoothing: float = 0.25  # weight of a new observation in the running means
-    prior_weight: float = 2.0  # rounds' worth of the global mean in a young sequence's estimate
+    smoothing: float = 0.05  # weight of a new observation in the all-sequences running mean
+    prior_weight: float = 4.0  # rounds' worth of the all-sequences mean in a sequence's estimate
     mean_accepted: float = 1.0  # running mean of accepted drafts per speculative round, all sequences
     window: int = 9  # recent round times per kind of round; their median is its cost
     samples: dict[tuple[int, bool, bool], deque] = dataclasses.field(default_factory=dict)
@@ -48,14 +48,17 @@ class AdaptivePolicy:
     def _mean(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.smoothing * (new - old)
 
-    def expected_tokens(self, accepted_mean: float | None, spec_rounds: int, draft_cap: int) -> float:
+    def expected_tokens(self, accepted: int, spec_rounds: int, draft_cap: int) -> float:
         """Tokens one speculative round is expected to give a sequence: 1 + its accepted drafts
-        (its own running mean, shrunk toward all sequences' mean while it has few rounds)."""
+        per round so far, shrunk toward all sequences' mean while it has had few rounds.
+
+        The sequence's whole history, not a short running mean: acceptance comes in bursts
+        (a line of code, then prose), and a short mean dips below the break-even after a few
+        misses; in plain rounds it would then only be re-measured by exploration."""
         if draft_cap == 0:
             return 1.0
-        own = self.mean_accepted if accepted_mean is None else accepted_mean
         w = self.prior_weight
-        return 1.0 + min((spec_rounds * own + w * self.mean_accepted) / (spec_rounds + w), draft_cap)
+        return 1.0 + min((accepted + w * self.mean_accepted) / (spec_rounds + w), draft_cap)
 
     def best(self, rows: int, greedy: bool, expected: Sequence[float]) -> bool:
         """Speculate? By the measured costs; True until speculating was measured, then False
@@ -89,6 +92,3 @@ class AdaptivePolicy:
         """One sequence's accepted drafts in a speculative round."""
         self.mean_accepted = self._mean(self.mean_accepted, float(accepted))
 
-    def update_sequence(self, accepted_mean: float | None, accepted: int) -> float:
-        """A sequence's running mean after a speculative round in which it accepted `accepted`."""
-        return self._mean(accepted_mean, float(accepted))

@@ -127,8 +127,7 @@ class GenRequest:
     completion_tokens: int = 0
     accepted_tokens: int = 0
     target_forwards: int = 0
-    spec_rounds: int = 0  # rounds in which it could accept drafts
-    accepted_mean: float | None = None  # running mean of its accepted drafts per such round (adaptive)
+    spec_rounds: int = 0  # speculative rounds in which it could accept drafts
     detok: IncrementalDetokenizer | None = None
     stopper: StopStrings | None = None
     finished: bool = False
@@ -830,7 +829,7 @@ class Engine:
         # rounds are speculative or not independently of the others: rounds it is in always are.
         pinned = any(r.seed is not None and r.temperature > 0 for r in active)
         if speculate and self._policy is not None and not pinned:
-            expected = [self._policy.expected_tokens(r.accepted_mean, r.spec_rounds, self._draft_cap(r))
+            expected = [self._policy.expected_tokens(r.accepted_tokens, r.spec_rounds, self._draft_cap(r))
                         for r in active]
             speculate = self._policy.choose(rows, greedy, expected)
             self.metrics.adaptive_rounds.labels(choice="speculate" if speculate else "plain").inc()
@@ -853,7 +852,6 @@ class Engine:
             if speculate and self._draft_cap(r) > 0:
                 r.spec_rounds += 1
                 if self._policy is not None:
-                    r.accepted_mean = self._policy.update_sequence(r.accepted_mean, m)
                     self._policy.observe_acceptance(m)
             self.metrics.acceptance_length.observe(m + 1)
             for pos in range(m):
