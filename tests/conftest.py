@@ -102,3 +102,27 @@ def _release_compiled_programs():
     import jax
 
     jax.clear_caches()
+
+
+TINY_VOCAB = 64  # the vocabulary of `tiny_target`; its last id is `tiny_head`'s mask token
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    """A 3-layer random llama target (vocabulary TINY_VOCAB) for step-level tests."""
+    from peagle_jax.models import ModelConfig, create_model
+
+    cfg = ModelConfig(architecture="llama", vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    return create_model(cfg, seed=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_head(tiny_target):
+    """A random 2-layer head for `tiny_target` that drafts both ways (EAGLE-3 and P-EAGLE)."""
+    from peagle_jax.drafters import DrafterConfig, create_drafter
+
+    cfg = DrafterConfig.for_target(tiny_target.config, num_layers=2, parallel_drafting=True,
+                                   mask_token_id=TINY_VOCAB - 1)
+    return create_drafter(cfg, seed=2)
+

@@ -7,29 +7,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from peagle_jax.drafters import DrafterConfig, create_drafter
 from peagle_jax.drafters.hybrid import HybridProposer
 from peagle_jax.drafters.ngram import NgramProposer
 from peagle_jax.generate.steps import SpecConfig, empty_context, prefill, prefill_chunk, spec_round
-from peagle_jax.models import ModelConfig, create_model
 from peagle_jax.sampling import SamplingParams
 
-VOCAB = 64
 LENGTH = 37  # two full chunks of 16, then 5 tokens padded to 16
 CHUNK = 16
 
 
 @pytest.fixture(scope="module")
-def target():
-    cfg = ModelConfig(architecture="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    return create_model(cfg, seed=1)
+def target(tiny_target):
+    return tiny_target
 
 
 @pytest.fixture(scope="module")
-def head(target):
-    cfg = DrafterConfig.for_target(target.config, num_layers=2, parallel_drafting=True, mask_token_id=VOCAB - 1)
-    return create_drafter(cfg, seed=2)
+def head(tiny_head):
+    return tiny_head
 
 
 def _drafter(method, head):
@@ -52,7 +46,7 @@ def test_chunked_prefill_matches_one_shot(target, head, method):
     drafter = _drafter(method, head)
     k = 0 if method == "none" else 3
     config = SpecConfig(method, k, True, 96, 32)
-    prompt = np.asarray(jax.random.randint(jax.random.key(3), (LENGTH,), 1, VOCAB - 1), np.int32)
+    prompt = np.asarray(jax.random.randint(jax.random.key(3), (LENGTH,), 1, target.config.vocab_size - 1), np.int32)
     common = dict(max_new=jnp.asarray([20]), sp=SamplingParams.full(1), eos_ids=jnp.asarray([-1]),
                   key=jax.random.split(jax.random.key(0), 1))
     lens = jnp.asarray([LENGTH], jnp.int32)

@@ -8,28 +8,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from peagle_jax.drafters import DrafterConfig, create_drafter
 from peagle_jax.generate import speculative_generate
 from peagle_jax.generate.steps import SpecConfig, prefill, spec_round
-from peagle_jax.models import ModelConfig, create_model
 from peagle_jax.sampling import SamplingParams
 
-VOCAB = 64
 K = 3
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13]]
 
 
 @pytest.fixture(scope="module")
-def target():
-    cfg = ModelConfig(architecture="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    return create_model(cfg, seed=1)
+def target(tiny_target):
+    return tiny_target
 
 
 @pytest.fixture(scope="module")
-def head(target):
-    cfg = DrafterConfig.for_target(target.config, num_layers=2, parallel_drafting=True, mask_token_id=VOCAB - 1)
-    return create_drafter(cfg, seed=2)
+def head(tiny_head):
+    return tiny_head
 
 
 def _start(target, head, config):
