@@ -16,16 +16,6 @@ LENGTH = 37  # two full chunks of 16, then 5 tokens padded to 16
 CHUNK = 16
 
 
-@pytest.fixture(scope="module")
-def target(tiny_target):
-    return tiny_target
-
-
-@pytest.fixture(scope="module")
-def head(tiny_head):
-    return tiny_head
-
-
 def _drafter(method, head):
     return {"none": None, "peagle": head, "eagle3": head, "ngram": NgramProposer(2, 3),
             "peagle+ngram": HybridProposer(head, NgramProposer(2, 3), defer_rows=8)}[method]
@@ -42,7 +32,8 @@ def _rows(tree_a, tree_b, upto):
 
 
 @pytest.mark.parametrize("method", ["none", "peagle", "eagle3", "ngram", "peagle+ngram"])
-def test_chunked_prefill_matches_one_shot(target, head, method):
+def test_chunked_prefill_matches_one_shot(tiny_target, tiny_head, method):
+    target, head = tiny_target, tiny_head
     drafter = _drafter(method, head)
     k = 0 if method == "none" else 3
     config = SpecConfig(method, k, True, 96, 32)

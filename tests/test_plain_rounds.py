@@ -16,16 +16,6 @@ K = 3
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13]]
 
 
-@pytest.fixture(scope="module")
-def target(tiny_target):
-    return tiny_target
-
-
-@pytest.fixture(scope="module")
-def head(tiny_head):
-    return tiny_head
-
-
 def _start(target, head, config):
     tokens = np.zeros((2, 16), np.int32)
     for i, p in enumerate(PROMPTS):
@@ -45,7 +35,8 @@ def _run(target, head, config, schedule):
 
 
 @pytest.mark.parametrize("method", ["peagle", "eagle3"])
-def test_plain_rounds_defer_the_drafter_exactly(target, head, method):
+def test_plain_rounds_defer_the_drafter_exactly(tiny_target, tiny_head, method):
+    target, head = tiny_target, tiny_head
     # 7 plain rounds (the K+1-row pending buffer fills and is written to the drafter once),
     # then speculative ones: the same tokens as plain decoding, and the drafter's cache holds
     # the same rows as when it ran every round (accepting nothing).
