@@ -161,6 +161,7 @@ def test_prefill_shapes_are_bounded_by_the_chunk():
     assert shapes == ((1, 16), (1, 24), (1, 32), (1, 48), (1, 64), (2, 16), (2, 24), (2, 32), (4, 16))
     assert all(b * t <= 64 for b, t in shapes)
     assert prefill_shapes(3, 32, 16) == ((1, 16), (1, 24), (1, 32), (2, 16))  # 3 prompts pad to 4 rows: > 32
+    assert prefill_shapes(1, 256, 16, max_prompt_len=40) == ((1, 16), (1, 24), (1, 32), (1, 48))
     for bad in (40, 8, 100):
         with pytest.raises(ValueError, match="must be a prompt bucket"):
             check_prefill_chunk(bad, 16)

@@ -229,14 +229,17 @@ def check_prefill_chunk(chunk: int, min_prompt_bucket: int) -> None:
                          f"times 2^i or 1.5 * 2^i, e.g. {near}")
 
 
-def prefill_shapes(max_prefill_batch: int, chunk: int, min_prompt_bucket: int) -> tuple[tuple[int, int], ...]:
+def prefill_shapes(max_prefill_batch: int, chunk: int, min_prompt_bucket: int,
+                   max_prompt_len: int | None = None) -> tuple[tuple[int, int], ...]:
     """Every (rows, prompt bucket) the final prefill of a group can run at.
 
     A group holds up to `max_prefill_batch` prompts, padded to a power of two, and at most
     `chunk` token rows in all; a longer prompt goes alone, chunk by chunk, so its last chunk
     is bucketed like a short prompt. Finite by design: the engine compiles them all up front.
+    `max_prompt_len` (the longest prompt the engine takes) drops buckets no prompt can reach.
     """
-    buckets = sorted({prompt_bucket(n, min_prompt_bucket) for n in range(1, chunk + 1)})
+    longest = chunk if max_prompt_len is None else max(1, min(chunk, max_prompt_len))
+    buckets = sorted({prompt_bucket(n, min_prompt_bucket) for n in range(1, longest + 1)})
     rows = sorted({_pow2(n) for n in range(1, max_prefill_batch + 1)})
     return tuple((b, t) for b in rows for t in buckets if b == 1 or b * t <= chunk)
 
@@ -302,7 +305,8 @@ class Engine:
         self.min_prompt_bucket = min_prompt_bucket
         check_prefill_chunk(prefill_chunk, min_prompt_bucket)
         self.prefill_chunk = prefill_chunk
-        self.prefill_shapes = prefill_shapes(self.max_prefill_batch, prefill_chunk, min_prompt_bucket)
+        self.prefill_shapes = prefill_shapes(self.max_prefill_batch, prefill_chunk, min_prompt_bucket,
+                                             max_model_len - 1)
         self.tokenizer = tokenizer
         self.tokenizer_lock = threading.Lock()
         self.metrics = metrics or Metrics(k, max_batch_size)
