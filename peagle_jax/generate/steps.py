@@ -288,12 +288,9 @@ def _plain_round(target: CausalLM, drafter: Proposer, state: SpecState, config: 
     col = jnp.where(active, kept, w)  # where the new row goes (w: dropped)
     b = jnp.arange(count.shape[0])
     pend_tok = state.pending_tokens.at[b, col].set(nxt, mode="drop")
-    pend_feat = state.pending_feats
-    if config.uses_features:
-        pend_feat = pend_feat.at[b, col].set(drafter.project(out.aux_hidden[:, 0]).astype(pend_feat.dtype),
-                                             mode="drop")
-    if not config.uses_features:
-        pend_feat = None
+    # plain_rounds is for the head methods, which always read features
+    feat = drafter.project(out.aux_hidden[:, 0]).astype(state.pending_feats.dtype)
+    pend_feat = state.pending_feats.at[b, col].set(feat, mode="drop")
     emitted = pad_rows(nxt[:, None], w)
     return out.cache, dcache, m, nxt, emitted, pend_tok, pend_feat, jnp.where(active, kept + 1, count)
 

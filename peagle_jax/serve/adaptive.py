@@ -45,9 +45,6 @@ class AdaptivePolicy:
             raise ValueError(f"need explore_every >= 2, smoothing in (0, 1] and prior_weight >= 0; got "
                              f"{self.explore_every}, {self.smoothing}, {self.prior_weight}")
 
-    def _mean(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.smoothing * (new - old)
-
     def expected_tokens(self, accepted: int, spec_rounds: int, draft_cap: int) -> float:
         """Tokens one speculative round is expected to give a sequence: 1 + its accepted drafts
         per round so far, shrunk toward all sequences' mean while it has had few rounds.
@@ -90,5 +87,5 @@ class AdaptivePolicy:
 
     def observe_acceptance(self, accepted: int) -> None:
         """One sequence's accepted drafts in a speculative round."""
-        self.mean_accepted = self._mean(self.mean_accepted, float(accepted))
+        self.mean_accepted += self.smoothing * (accepted - self.mean_accepted)
 

@@ -103,6 +103,7 @@ class EngineStopped(Exception):
 
 
 _ids = itertools.count()
+_COMPILE_THREADS = max(1, min(4, os.cpu_count() or 1))  # programs the warm-up compiles side by side
 _MAX_TEMPERATURE = 100.0  # the HTTP schema's bound (serve.protocol); finite in float32
 _INT32_MAX = 2**31 - 1
 
@@ -508,20 +509,19 @@ class Engine:
                 jnp.ones((nb,), jnp.int32), jnp.full((nb,), 64, jnp.int32), sp,
                 _keys_from_seeds(jnp.zeros((nb,), jnp.uint32)), False))
 
-        def compile_chunk(_):
+        def compile_chunk():
             c = self.prefill_chunk
-            return 0, jax.block_until_ready(self._programs.chunk(
+            jax.block_until_ready(self._programs.chunk(
                 self._programs.weights, self._context(1), jnp.zeros((1, c), jnp.int32), jnp.zeros((1,), jnp.int32),
                 jnp.zeros((1,), jnp.int32)))
 
         # XLA compiles one program on one core: compile the shapes side by side (threads; the
         # compiler releases the GIL), about halving this part of start-up on 2 cores.
-        jobs = [(compile_prefill, shape) for shape in self.prefill_shapes]
-        if self.max_model_len > self.prefill_chunk:
-            jobs.append((compile_chunk, None))
-        with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-            news = dict(pool.map(lambda job: job[0](job[1]), jobs))
-        news.pop(0, None)
+        with ThreadPoolExecutor(max_workers=_COMPILE_THREADS) as pool:
+            chunk = pool.submit(compile_chunk) if self.max_model_len > self.prefill_chunk else None
+            news = dict(pool.map(compile_prefill, self.prefill_shapes))  # rows -> one prefilled state
+            if chunk is not None:
+                chunk.result()
         log.info("compiled %d prefill shapes (rows x prompt bucket, chunk %d) in %.1fs", len(self.prefill_shapes),
                  self.prefill_chunk, time.perf_counter() - t0)
         new = news[1]
@@ -544,7 +544,7 @@ class Engine:
             return time.perf_counter() - t1
 
         t0 = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+        with ThreadPoolExecutor(max_workers=_COMPILE_THREADS) as pool:
             times = list(pool.map(compile_bucket, range(len(self.buckets))))
         log.info("compiled the rounds of batch buckets %s in %.1fs (%s s each, side by side)", list(self.buckets),
                  time.perf_counter() - t0, ", ".join(f"{t:.1f}" for t in times))
