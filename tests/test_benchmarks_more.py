@@ -115,14 +115,20 @@ def test_decode_speed_tiny(tiny_dir, tmp_path):
     assert doc == json.loads(json.dumps(s))
     assert doc["max_new_tokens"] == NEW and len(doc["rows"]) == 2
     assert [r["prompt"] for r in doc["rows"]] == decode_speed.PROMPTS[:2]
+    assert set(doc["ours"]) == {"bfloat16", "float32"}
     for r in doc["rows"]:
-        assert r["tokens"] == NEW and _finite_positive(r["ours_tok_s"]) and _finite_positive(r["hf_tok_s"])
-        # same fp32 weights, both greedy and ignoring EOS: the very same tokens
-        assert r["identical_tokens"] is True
-    assert doc["ours_tok_s"] == pytest.approx(sum(r["ours_tok_s"] for r in doc["rows"]) / 2)
-    assert doc["speedup"] == pytest.approx(doc["ours_tok_s"] / doc["transformers_tok_s"])
+        assert r["tokens"] == NEW and _finite_positive(r["hf_tok_s"])
+        assert _finite_positive(r["ours_bfloat16_tok_s"]) and _finite_positive(r["ours_float32_tok_s"])
+        # same fp32 weights and arithmetic, both greedy and ignoring EOS: the very same tokens
+        assert r["ours_float32_identical_to_hf"] is True
+    for d, o in doc["ours"].items():
+        assert o["tok_s"] == pytest.approx(sum(r[f"ours_{d}_tok_s"] for r in doc["rows"]) / 2)
+        assert o["speedup"] == pytest.approx(o["tok_s"] / doc["transformers_tok_s"])
+    assert doc["ours"]["float32"]["identical_to_hf"] == 2
     md = _md_rows((out / "decode_speed.md").read_text())
-    assert len(md) == 3 and md[-1][0] == "**mean**" and f"{doc['speedup']:.2f}x" in md[-1][3]
+    assert len(md) == 3 and md[-1][0] == "**mean**"
+    assert f"{doc['ours']['bfloat16']['speedup']:.2f}x" in md[-1][1]
+    assert f"{doc['ours']['float32']['speedup']:.2f}x" in md[-1][2]
 
 
 # ----------------------------------------------------------------------------- fp8_accuracy.py
@@ -135,13 +141,16 @@ def test_fp8_accuracy_tiny(tiny_dir, tmp_path):
 
     out = tmp_path / "fp8"
     rows = fp8_accuracy.main(["--model", str(tiny_dir), "--prompts", "1", "--max-new-tokens", str(NEW),
-                              "--out", str(out)])
+                              "--hf", "--out", str(out)])
     doc = json.loads((out / "fp8_accuracy.json").read_text())
     assert doc == rows and [r["variant"] for r in doc] == VARIANTS
     by = {r["variant"]: r for r in doc}
     # fp32 against itself: exact
     assert by["fp32"]["max_abs_logit_error"] == 0.0 and by["fp32"]["top1_agreement"] == 1.0
     assert by["fp32"]["greedy_tokens_before_divergence"] == [NEW]
+    # --hf: our fp32 forward is transformers' up to float rounding; bf16 is further from it
+    assert by["fp32"]["hf_max_abs_logit_error"] < 1e-3
+    assert by["bf16"]["hf_mean_abs_logit_error"] > by["fp32"]["hf_mean_abs_logit_error"]
     for name in VARIANTS[1:]:
         r = by[name]
         # every reduced-precision variant really differs from fp32 (the option took effect)
@@ -150,7 +159,7 @@ def test_fp8_accuracy_tiny(tiny_dir, tmp_path):
         assert len(r["greedy_tokens_before_divergence"]) == 1 and 0 <= r["greedy_tokens_before_divergence"][0] <= NEW
         assert "mean_acceptance_length" not in r  # no --head
     md = _md_rows((out / "fp8_accuracy.md").read_text())
-    assert [c[0] for c in md] == VARIANTS and md[0][-1] == f"[{NEW}]"
+    assert [c[0] for c in md] == VARIANTS and md[0][-1] == f"[{NEW}]" and len(md[0]) == 8
 
 
 @pytest.mark.slow

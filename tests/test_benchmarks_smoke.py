@@ -227,3 +227,31 @@ def test_tpot_generate_on_the_default_model(tmp_path):
     assert json.loads((out / "tpot_generate.json").read_text())["prompts"] == 1
     assert set(run["tpot_ms"]) == {"none", "peagle"} and all(_finite_positive(v) for v in run["tpot_ms"].values())
     assert "| peagle | 3 |" in (out / "tpot_generate.md").read_text()
+
+
+def test_offline_vllm_peer_absent_is_skipped_with_reason(tmp_path, monkeypatch):
+    from benchmarks import offline
+
+    skipped: dict[str, str] = {}
+    tiny = offline.parse_args(["--target", "tiny", "--vllm-peer"])
+    assert offline._vllm_peer(tiny, skipped) is False and "not --target tiny" in skipped["vllm_peer"]
+    monkeypatch.setenv("VLLM_PEER_DIR", str(tmp_path / "no-peer"))
+    skipped = {}
+    assert offline._vllm_peer(offline.parse_args(["--vllm-peer"]), skipped) is False
+    assert "setup.sh" in skipped["vllm_peer"]
+    assert offline._vllm_peer(offline.parse_args([]), {}) is False  # not asked for: off, nothing said
+
+
+def test_offline_exactness_checks_vllm_against_vllm_plain():
+    from benchmarks import offline
+
+    ours, other = [1, 2, 3, 4], [1, 2, 9, 9]
+    outputs = {("d", "none", 0, 1): {0: ours}, ("d", "peagle", 3, 1): {0: ours},
+               ("d", "vllm-none", 0, 1): {0: other},  # a bf16 near-tie in vLLM's kernels: reported, not ours
+               ("d", "vllm-peagle", 3, 1): {0: other},  # exact against vLLM's own plain output
+               ("d", "vllm-eagle3", 3, 1): {0: [1, 2, 9, 7]}}  # not exact: reported against vLLM plain
+    mismatches, checked = offline._exactness(outputs, {"d": {"ids": ["p0"]}})
+    assert checked == 4
+    assert sorted((m["method"], m["reference"], m["first_diff"]) for m in mismatches) == [
+        ("vllm-eagle3", "vllm-none@B=1", 3), ("vllm-none", "none@B=1", 2)]
+    assert not [m for m in mismatches if not offline._is_peer(m["method"])]

@@ -171,3 +171,20 @@ def test_vllm_speculative_with_our_head(env, method, k):
     assert o["outputs"] == env.ours_plain["outputs"], f"our {method} K={k} differs from our plain greedy output"
     assert vs["num_drafts"] > 0 and vs["al"] > 1.05, f"vLLM accepted (almost) no drafts from {head}: {vs}"
     assert abs(vs["al"] - os_["al"]) <= AL_TOL, f"AL vLLM {vs['al']:.3f} vs ours {os_['al']:.3f} (tolerance {AL_TOL})"
+
+
+@pytest.mark.slow
+def test_offline_benchmark_runs_vllm_beside_ours(env, tmp_path):
+    """`benchmarks.offline --vllm-peer`: vLLM rows beside ours on the same prompts, exact against vLLM plain."""
+    from benchmarks import offline
+
+    s = offline.main(["--peagle-head", str(HEADS["peagle"]), "--methods", "none", "peagle", "--dataset", "humaneval",
+                      "--limit", "2", "--ks", "3", "--batch-sizes", "1", "--max-new-tokens", "24", "--no-hf-peer",
+                      "--vllm-peer", "--out", str(tmp_path / "offline")])
+    rows = {r["method"]: r for r in s["results"]}
+    assert set(rows) == {"none", "peagle", "vllm-none", "vllm-peagle"} and rows["vllm-peagle"]["peer"]
+    assert rows["vllm-peagle"]["tokens"] > 0 and rows["vllm-peagle"]["mean_acceptance_length"] >= 1.0
+    assert len(rows["vllm-peagle"]["acceptance_per_position"]) == 3
+    assert s["exactness"]["vllm_spec_identical_to_vllm_plain"] is True and s["exactness"]["ours_identical"]
+    assert s["peer_versions"]["vllm"]
+    assert "vllm-peagle" in (tmp_path / "offline" / "offline.md").read_text()
