@@ -111,6 +111,46 @@ def test_process_logits_wide_nucleus_matches_reference():
     assert (out[0] > 0).sum(-1).min() > 1000  # the case a 1024-candidate shortcut cannot decide
 
 
+def test_process_logits_candidate_thresholds_match_reference():
+    """Peaked rows over a 5000-token vocabulary: top-k <= 64 and nuclei inside the 64 largest
+    logits are read from the candidates (`THRESHOLD_CANDIDATES`); a batch with one flat row
+    falls back to the bisection for all of them. Both must give the sorted reference exactly."""
+    v = 5000
+    assert S.THRESHOLD_CANDIDATES < v
+    peaked = [(0.7, 0, 0.95), (1.0, 40, 1.0), (0.8, 64, 0.9), (1.0, 20, 0.99), (0.0, 0, 0.9), (1.0, 0, 0.5)]
+    flat = [(1.0, 0, 0.9)]  # a nucleus over thousands of tokens
+    base = np.asarray(jax.random.normal(jax.random.key(7), (len(peaked) + 1, 2, v)), np.float32)
+    scale = np.array([4.0] * len(peaked) + [0.3], np.float32)[:, None, None]
+    for rows, logits in ((peaked, base[:-1] * scale[:-1]), (peaked + flat, base * scale)):
+        t, k, p = _settings(rows)
+        out = np.asarray(jax.jit(S.process_logits)(jnp.asarray(logits), t, k, p))
+        for i, row in enumerate(rows):
+            for j in range(2):
+                ref = _ref_process(logits[i, j], *row)
+                np.testing.assert_array_equal(out[i, j] > 0, ref > 0, err_msg=f"row {i} {row} support")
+                np.testing.assert_allclose(out[i, j], ref, atol=1e-6, err_msg=f"row {i} {row}")
+    # The peaked nuclei really lie inside the candidates (else this would test the bisection only).
+    kept = (np.asarray(jax.jit(S.process_logits)(jnp.asarray(base[:1] * 4.0), *_settings(peaked[:1]))) > 0).sum(-1)
+    assert 1 < kept.max() <= S.THRESHOLD_CANDIDATES
+
+
+def test_process_logits_takes_the_bisection_only_when_needed(monkeypatch):
+    """With the bisection replaced by "keep nothing" (rows then fall back to their argmax), a
+    peaked batch still matches the reference (thresholds read from the candidates) and a batch
+    holding a flat nucleus or a top-k past the candidates does not (it took the bisection)."""
+    v = 5000
+    monkeypatch.setattr(S, "_bisected_keep", lambda x, *a: jnp.zeros(x.shape, bool))
+    logits = np.asarray(jax.random.normal(jax.random.key(8), (2, 1, v)), np.float32)
+    cases = [([(0.7, 0, 0.95), (1.0, 30, 1.0)], 4.0, True),
+             ([(0.7, 0, 0.95), (1.0, 0, 0.9)], 0.3, False),  # flat: the nucleus spans thousands
+             ([(0.7, 0, 0.95), (1.0, 100, 1.0)], 4.0, False)]  # top-k past the 64 candidates
+    for rows, scale, fast in cases:
+        x = logits * scale
+        out = np.asarray(jax.jit(S.process_logits)(jnp.asarray(x), *_settings(rows)))
+        same = all(np.allclose(out[i, 0], _ref_process(x[i, 0], *row), atol=1e-6) for i, row in enumerate(rows))
+        assert same == fast, (rows, scale)
+
+
 def test_process_logits_keeps_whole_tie_groups():
     """Logits on a coarse grid tie in groups; a top-k or top-p boundary inside a group keeps all of it."""
     v = 512
