@@ -457,7 +457,8 @@ def run(args) -> dict[str, Any]:
                       assistant=args.assistant, torch_threads=peer.torch_threads if peer else None),
         datasets=datasets, compile_and_warmup_seconds=meas.compile_s, results=rows,
         exactness=dict(compared=checked, mismatches=mismatches, ours_identical=not ours_mm,
-                       hf_identical=not [x for x in mismatches if x["method"].startswith("hf_")],
+                       hf_identical=None if peer is None else not [
+                           x for x in mismatches if x["method"].startswith("hf_")],
                        vllm_spec_identical_to_vllm_plain=None if not vllm else not [
                            x for x in mismatches if x["method"] in ("vllm-eagle3", "vllm-peagle")],
                        vllm_plain_identical_to_ours=None if not vllm else not [
@@ -496,10 +497,11 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
         md.append("")
     ex = summary["exactness"]
     md += ["## Greedy exactness", "",
-           f"{ex['compared']} outputs compared; our methods identical: **{ex['ours_identical']}**; "
-           f"HF peers identical to ours: {ex['hf_identical']}."
+           f"{ex['compared']} outputs compared; our methods identical: **{ex['ours_identical']}**."
+           + ("" if ex.get("hf_identical") is None else f" HF peers identical to ours: {ex['hf_identical']}.")
            + ("" if ex.get("vllm_spec_identical_to_vllm_plain") is None else
-              f" vLLM speculative identical to vLLM plain: **{ex['vllm_spec_identical_to_vllm_plain']}**; "
+              f" vLLM speculative identical to vLLM plain: **{ex['vllm_spec_identical_to_vllm_plain']}** ("
+              f"{sum(x['method'] in ('vllm-eagle3', 'vllm-peagle') for x in ex['mismatches'])} outputs differ); "
               f"vLLM plain identical to ours: {ex['vllm_plain_identical_to_ours']} (bf16 kernels differ: a "
               f"near-tie can flip)."), ""]
     if ex["mismatches"]:
