@@ -56,12 +56,12 @@ def main(argv: list[str] | None = None) -> dict:
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = tok.pad_token_id
     n = args.max_new_tokens
+    kw = dict(method="none", max_new_tokens=n, eos_token_ids=[])
     rows = []
     for text in PROMPTS[: args.prompts]:
         ids = chat_ids(tok, text)
         row = dict(prompt=text, tokens=n)
         for d, llm in ours.items():
-            kw = dict(method="none", max_new_tokens=n, eos_token_ids=[])
             speculative_generate(llm.target, None, [ids], **kw)  # compile
             t0 = time.perf_counter()
             r = speculative_generate(llm.target, None, [ids], **kw)

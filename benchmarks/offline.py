@@ -222,7 +222,8 @@ def _hf_peer(args, target_path, eos, tok, skipped: dict[str, str]):
     return peer
 
 
-VLLM_METHODS = ("none", "eagle3", "peagle")
+#: vLLM rows whose outputs are checked against vLLM's own plain decoding.
+VLLM_SPEC_ROWS = ("vllm-eagle3", "vllm-peagle")
 
 
 def _is_peer(method: str) -> bool:
@@ -249,10 +250,11 @@ def _time_vllm(args, meas: "_Measurements", configs, ds: str, prompts, bsz: int,
     from benchmarks import peer_vllm
 
     batches = _batches(len(prompts), bsz)
-    flat = [prompts[i] for idx in batches for i in idx]
+    flat_idx = [i for idx in batches for i in idx]
+    flat = [prompts[i] for i in flat_idx]
     heads = dict(eagle3=args.eagle3_head, peagle=args.peagle_head)
     for method, k in configs:
-        if method not in VLLM_METHODS or (method != "none" and not heads[method]):
+        if method not in peer_vllm.METHODS or (method != "none" and not heads[method]):
             continue
         v = peer_vllm.run_vllm(flat, method=method, head=heads.get(method), k=max(k, 1),
                                max_new_tokens=args.max_new_tokens, batch=bsz, stop_token_ids=eos,
@@ -264,7 +266,6 @@ def _time_vllm(args, meas: "_Measurements", configs, ds: str, prompts, bsz: int,
         if spec:
             s["rounds"] = int(spec["num_drafts"])
             s["accepted"] = np.asarray(spec["accepted_per_pos"][:k], np.int64)
-        flat_idx = [i for idx in batches for i in idx]
         for i, toks in zip(flat_idx, v["outputs"], strict=True):
             meas.outputs[key].setdefault(i, toks)
         meas.peer_versions["vllm"] = v.get("vllm_version")
@@ -460,7 +461,7 @@ def run(args) -> dict[str, Any]:
                        hf_identical=None if peer is None else not [
                            x for x in mismatches if x["method"].startswith("hf_")],
                        vllm_spec_identical_to_vllm_plain=None if not vllm else not [
-                           x for x in mismatches if x["method"] in ("vllm-eagle3", "vllm-peagle")],
+                           x for x in mismatches if x["method"] in VLLM_SPEC_ROWS],
                        vllm_plain_identical_to_ours=None if not vllm else not [
                            x for x in mismatches if x["method"] == "vllm-none"]),
         peer_versions=meas.peer_versions,
@@ -501,7 +502,7 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
            + ("" if ex.get("hf_identical") is None else f" HF peers identical to ours: {ex['hf_identical']}.")
            + ("" if ex.get("vllm_spec_identical_to_vllm_plain") is None else
               f" vLLM speculative identical to vLLM plain: **{ex['vllm_spec_identical_to_vllm_plain']}** ("
-              f"{sum(x['method'] in ('vllm-eagle3', 'vllm-peagle') for x in ex['mismatches'])} outputs differ); "
+              f"{sum(x['method'] in VLLM_SPEC_ROWS for x in ex['mismatches'])} outputs differ); "
               f"vLLM plain identical to ours: {ex['vllm_plain_identical_to_ours']} (bf16 kernels differ: a "
               f"near-tie can flip)."), ""]
     if ex["mismatches"]:
