@@ -76,6 +76,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "X+ngram: the lookup's drafts where the context matches, the head's elsewhere")
     ap.add_argument("--prompt-lookup-min", type=int, default=2, help="smallest n-gram of method ngram")
     ap.add_argument("--prompt-lookup-max", type=int, default=4, help="largest n-gram of method ngram")
+    ap.add_argument("--two-chains", default="off", choices=("off", "on", "both"),
+                    help="X+ngram: verify the head's and the lookup's drafts in one forward where the lookup "
+                         "matches (on), the one-chain rule (off), or both as rows X+ngram and X+ngram/2c")
     ap.add_argument("--head-draft-tokens", type=int, default=None,
                     help="X+ngram: drafts the head proposes where the lookup has no match (default: K)")
     ap.add_argument("--ks", nargs="+", type=int, default=[3, 5, 7], help="draft lengths K")
@@ -168,11 +171,25 @@ def _add_hybrids(args, drafters: dict[str, Any], labels: dict[str, str]) -> None
             continue
         if f"{base}+ngram" in args.methods:
             lookup = NgramProposer(args.prompt_lookup_min, args.prompt_lookup_max)
-            drafters[f"{base}+ngram"] = HybridProposer(drafters[base], lookup, args.head_draft_tokens)
             head_k = "K" if args.head_draft_tokens is None else f"min(K, {args.head_draft_tokens})"
-            labels[f"{base}+ngram"] = f"{labels[base]} + prompt lookup (head drafts {head_k} without a match)"
+            variants = dict(off=[("", False)], on=[("", True)], both=[("", False), (TWO_CHAINS, True)])
+            for suffix, two in variants[args.two_chains]:
+                row = f"{base}+ngram{suffix}"
+                drafters[row] = HybridProposer(drafters[base], lookup, args.head_draft_tokens, two_chains=two)
+                labels[row] = (f"{labels[base]} + prompt lookup (head drafts {head_k}; "
+                               + ("both chains verified in one forward where the lookup matches)" if two else
+                                  "the lookup's drafts where it matches, the head's elsewhere)"))
         if base not in args.methods:
             del drafters[base], labels[base]
+
+
+#: Row suffix of a hybrid that verifies both chains in one forward (`--two-chains both`).
+TWO_CHAINS = "/2c"
+
+
+def _method_of(row: str) -> str:
+    """The `speculative_generate` method of a result row (X+ngram/2c runs X+ngram)."""
+    return row.removesuffix(TWO_CHAINS)
 
 
 def _batches(n: int, b: int) -> list[list[int]]:
@@ -198,7 +215,8 @@ def _first_diff(a: list[int], b: list[int]) -> int:
 def _configs(args, drafters: dict[str, Any]) -> list[tuple[str, int]]:
     """(method, K) pairs to time; ("none", 0) is always first, as the reference for speed-ups and tokens."""
     configs: list[tuple[str, int]] = [("none", 0)] if "none" in args.methods else []
-    for m in ("ngram", "eagle3", "peagle", "eagle3+ngram", "peagle+ngram"):
+    for m in ("ngram", "eagle3", "peagle", "eagle3+ngram", "eagle3+ngram" + TWO_CHAINS, "peagle+ngram",
+              "peagle+ngram" + TWO_CHAINS):
         if m in drafters:
             configs += [(m, k) for k in args.ks]
     if ("none", 0) not in configs:
@@ -311,8 +329,8 @@ def _time_ours(args, meas: _Measurements, target, drafter, key: tuple, idx: list
     from peagle_jax.generate.speculative import prompt_bucket
 
     ds, method, k, bsz = key
-    kw = dict(method=method, num_draft_tokens=max(k, 1), max_new_tokens=args.max_new_tokens, eos_token_ids=eos,
-              temperature=0.0, seed=args.seed)
+    kw = dict(method=_method_of(method), num_draft_tokens=max(k, 1), max_new_tokens=args.max_new_tokens,
+              eos_token_ids=eos, temperature=0.0, seed=args.seed)
     shape = (method, k, bsz, prompt_bucket(max(len(p) for p in batch)))
     if shape not in meas.warmed:
         t0 = time.perf_counter()

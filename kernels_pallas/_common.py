@@ -65,6 +65,14 @@ def row_positions(q_positions: jax.Array, g: int, m_pad: int, s: int) -> jax.Arr
     return pos
 
 
+def skip_rows(bound: jax.Array, g: int, m_pad: int) -> jax.Array:
+    """A tree mask bound ``[B, T]`` -> ``[B, M_pad]`` int32 per kernel row (padding rows: 0)."""
+    rows = jnp.repeat(bound.astype(jnp.int32), g, axis=1)
+    if m_pad > rows.shape[1]:
+        rows = jnp.pad(rows, ((0, 0), (0, m_pad - rows.shape[1])))
+    return rows
+
+
 def prepare_scales(k_scale, v_scale, b: int, s: int, kvh: int):
     """Normalize k/v scales to the kernel layouts.
 

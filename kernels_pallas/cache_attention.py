@@ -10,6 +10,14 @@ committed length are never read by a query below them, so stale rows (rejected d
 placeholder slots, prompt padding) need no clearing: causality by absolute position is the
 whole mask.
 
+A tree verify (two draft chains from one root in one forward, `generate.steps`) adds one
+hidden window per query row: with `skip_lo` / `skip_hi` [B, T], row (b, t) also does not see
+rows skip_lo[b, t] <= s < skip_hi[b, t]. A second chain written after the first sees the
+committed rows and the root, skips the first chain's rows, and sees its own rows, causally.
+Any set of side chains that fork from one main chain fits this mask: each side chain lies in
+its own contiguous rows after the main chain, and skips everything between its fork point
+and its own first row. Rows with skip_lo == skip_hi hide nothing.
+
 The cache is heads-major (each kv head's rows contiguous) so that a step's attention is a
 batched matmul over (sequence, kv head) that reads the cache where it lies: with the rows
 first ([B, S, KVH, D]) XLA:CPU transposed and upcast the whole cache in every layer of every
@@ -50,6 +58,8 @@ def cache_attention_reference(
     k_scale: Float[Array, "..."] | None = None,
     v_scale: Float[Array, "..."] | None = None,
     sm_scale: float | None = None,
+    skip_lo: Int[Array, "B T"] | None = None,
+    skip_hi: Int[Array, "B T"] | None = None,
     rowwise: bool | None = None,
     key_block: int = KEY_BLOCK,
 ) -> Float[Array, "B T H D"]:
@@ -71,16 +81,22 @@ def cache_attention_reference(
     and a K+1-row verify give a row the same values and greedy speculative decoding stays
     token-identical to plain decoding (tests/test_row_invariance.py fails if that changes).
     ``rowwise`` (default: T <= ROWWISE_MAX_ROWS) attends one query row at a time instead.
+
+    ``skip_lo`` / ``skip_hi`` hide rows [lo, hi) from each query row (the tree mask, see the
+    module docstring); hidden keys get weight exactly 0, as future ones do.
     """
     if rowwise is None:
         rowwise = q.shape[1] <= ROWWISE_MAX_ROWS
     if sm_scale is None:
         sm_scale = 1.0 / float(q.shape[-1]) ** 0.5
+    skip = _skip_window(skip_lo, skip_hi)
     cache = _BlockedCache(k_cache, v_cache, k_scale, v_scale, q.dtype, min(key_block, k_cache.shape[2]))
     if not rowwise:
-        return _attend(q, cache, q_positions, sm_scale)
+        return _attend(q, cache, q_positions, sm_scale, skip)
     # Unrolled (T is small): measured faster on XLA:CPU than a lax.map over the rows.
-    rows = [_attend(q[:, t:t + 1], cache, q_positions[:, t:t + 1], sm_scale) for t in range(q.shape[1])]
+    rows = [_attend(q[:, t:t + 1], cache, q_positions[:, t:t + 1], sm_scale,
+                    None if skip is None else (skip[0][:, t:t + 1], skip[1][:, t:t + 1]))
+            for t in range(q.shape[1])]
     return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)
 
 
@@ -104,6 +120,15 @@ class _BlockedCache:
                 _read_block(self.v, self.v_scale, start, self.block, self.dtype))
 
 
+def _skip_window(skip_lo, skip_hi):
+    """(lo, hi) int32 [B, T], or None when no row hides anything."""
+    if (skip_lo is None) != (skip_hi is None):
+        raise ValueError("skip_lo and skip_hi go together: pass both or neither")
+    if skip_lo is None:
+        return None
+    return skip_lo.astype(jnp.int32), skip_hi.astype(jnp.int32)
+
+
 def _needs_dequant(x, scale) -> bool:
     return scale is not None or jnp.dtype(x.dtype).itemsize == 1
 
@@ -122,6 +147,7 @@ def _read_block(x, scale, start, block: int, dtype) -> Float[Array, "B KVH C D"]
 
 def _attend(
     q: Float[Array, "B T H D"], cache: _BlockedCache, q_positions: Int[Array, "B T"], sm_scale: float,
+    skip: tuple[Int[Array, "B T"], Int[Array, "B T"]] | None = None,
 ) -> Float[Array, "B T H D"]:
     """Causal-by-position attention of T rows; the G query heads of a kv head and the T rows
     form one [T*G, D] block per (sequence, kv head)."""
@@ -129,7 +155,9 @@ def _attend(
     kvh = cache.k.shape[1]
     g = h // kvh
     qg = q.astype(cache.dtype).reshape(b, t, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, t * g, d)
-    row_pos = jnp.repeat(q_positions, g, axis=1)[:, None, :, None]  # [B, 1, T*G, 1], row t*G + g
+    per_row = lambda x: jnp.repeat(x, g, axis=1)[:, None, :, None]  # [B, 1, T*G, 1], row t*G + g
+    row_pos = per_row(q_positions)
+    row_lo, row_hi = (None, None) if skip is None else (per_row(skip[0]), per_row(skip[1]))
     num_blocks = jnp.minimum(jnp.max(q_positions) // cache.block + 1, -(-cache.capacity // cache.block))
 
     def block_step(i, carry):
@@ -139,6 +167,8 @@ def _attend(
         scores = jnp.einsum("bkqd,bksd->bkqs", qg, k, preferred_element_type=jnp.float32) * sm_scale
         pos = start + jnp.arange(cache.block)
         visible = (pos <= row_pos) & (pos >= i * cache.block)  # [B, 1, T*G, C]
+        if row_lo is not None:
+            visible = visible & ~((pos >= row_lo) & (pos < row_hi))
         scores = jnp.where(visible, scores, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))
         weights = jnp.exp(scores - m_new)
@@ -283,10 +313,14 @@ def cache_attention(
     k_scale: Float[Array, "..."] | None = None,
     v_scale: Float[Array, "..."] | None = None,
     sm_scale: float | None = None,
+    skip_lo: Int[Array, "B T"] | None = None,
+    skip_hi: Int[Array, "B T"] | None = None,
     implementation: str | None = None,
     interpret: bool = False,
 ) -> Float[Array, "B T H D"]:
     """Dispatch to an implementation; ``None`` or ``"xla"`` is the reference.
+
+    ``skip_lo`` / ``skip_hi`` (both or neither): the tree mask's hidden window per query row.
 
     ``implementation``: "xla" | "triton" | "mosaic" | "auto" (see `resolve_implementation`);
     ``interpret=True`` runs a requested Pallas kernel in interpret mode (CPU tests).
@@ -302,18 +336,19 @@ def cache_attention(
     )
     if impl == "xla":
         return cache_attention_reference(
-            q, k_cache, v_cache, q_positions, k_scale=k_scale, v_scale=v_scale, sm_scale=sm_scale
+            q, k_cache, v_cache, q_positions, k_scale=k_scale, v_scale=v_scale, sm_scale=sm_scale,
+            skip_lo=skip_lo, skip_hi=skip_hi,
         )
     if impl == "triton":
         from kernels_pallas.cache_attention_triton import cache_attention_triton
 
         return cache_attention_triton(
             q, k_cache, v_cache, q_positions, k_scale=k_scale, v_scale=v_scale,
-            sm_scale=sm_scale, interpret=interpret,
+            sm_scale=sm_scale, skip_lo=skip_lo, skip_hi=skip_hi, interpret=interpret,
         )
     from kernels_pallas.cache_attention_mosaic import cache_attention_mosaic
 
     return cache_attention_mosaic(
         q, k_cache, v_cache, q_positions, k_scale=k_scale, v_scale=v_scale,
-        sm_scale=sm_scale, interpret=interpret,
+        sm_scale=sm_scale, skip_lo=skip_lo, skip_hi=skip_hi, interpret=interpret,
     )

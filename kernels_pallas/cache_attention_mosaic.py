@@ -13,7 +13,8 @@ Structure (``plgpu.kernel``, one warpgroup per CTA, grid ``(B, KVH, query blocks
 * ``S = Q @ K.T`` and ``O += P @ V`` are wgmma with float32 accumulators; online softmax in
   float32 in the log2 domain; each row is masked by its own absolute position (loaded into the
   wgmma row layout), and the loop stops at the query block's max position (computed in XLA), not
-  at the cache capacity.
+  at the cache capacity. A tree mask (``skip_lo`` / ``skip_hi``) also hides each row's window
+  [lo, hi), loaded into the same row layout.
 * Split-K over the key range when (batch x kv head) programs underfill the GPU, merged in XLA.
 * K/V dtypes: bfloat16 / float16 (same as q). float8_e4m3fn K/V: the fp8 block is TMA-copied
   (half the bytes), upcast to q's dtype in registers with the per-token scale applied per key
@@ -44,6 +45,7 @@ from kernels_pallas._common import (
     prepare_scales,
     row_positions,
     rows_to_heads,
+    skip_rows,
 )
 
 BLOCK_M = 64  # wgmma M per warpgroup
@@ -109,6 +111,7 @@ def _kernel(
     dequant: bool,
     dtype,
     interpret: bool,
+    skip: bool,
 ):
     # The Mosaic GPU CPU interpreter of jax 0.10 has neither `layout_cast` nor `plgpu.load`;
     # layouts mean nothing there, so they are dropped in interpret mode.
@@ -122,9 +125,10 @@ def _kernel(
             return ref[...]
         return plgpu.load(ref, layout=layout, optimized=False)
 
-    if scale_mode is None:
-        ks_ref = vs_ref = None
-    else:
+    lo_ref = hi_ref = ks_ref = vs_ref = None
+    if skip:
+        lo_ref, hi_ref, *refs = refs
+    if scale_mode is not None:
         ks_ref, vs_ref, *refs = refs
     if num_splits == 1:
         (o_ref, *scratch) = refs
@@ -165,6 +169,9 @@ def _kernel(
     col_layout = plgpu.Layout.WGMMA.reduce(0)
     pos = load_vec(pos_ref.at[b, rows], row_layout)
     pos2 = lax.broadcast_in_dim(pos, (BLOCK_M, block_k), [0])
+    if skip:  # the tree mask: each row's hidden window [lo, hi)
+        lo2 = lax.broadcast_in_dim(load_vec(lo_ref.at[b, rows], row_layout), (BLOCK_M, block_k), [0])
+        hi2 = lax.broadcast_in_dim(load_vec(hi_ref.at[b, rows], row_layout), (BLOCK_M, block_k), [0])
 
     qk_scale = sm_scale * _LOG2E
     if scale_mode == "per_head":
@@ -211,7 +218,10 @@ def _kernel(
         kv_ids = layout_cast(
             lax.broadcasted_iota(jnp.int32, (BLOCK_M, block_k), 1), plgpu.Layout.WGMMA
         ) + j * block_k
-        s = jnp.where(kv_ids <= pos2, s, -jnp.inf)
+        visible = kv_ids <= pos2
+        if skip:
+            visible = visible & ~((kv_ids >= lo2) & (kv_ids < hi2))
+        s = jnp.where(visible, s, -jnp.inf)
         m_new = jnp.maximum(m_i, s.max(axis=1))
         alpha = jnp.exp2(m_i - m_new)
         p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -276,6 +286,8 @@ def cache_attention_mosaic(
     k_scale=None,
     v_scale=None,
     sm_scale: float | None = None,
+    skip_lo=None,
+    skip_hi=None,
     interpret=False,
     block_k: int = 64,
     num_splits: int | None = None,
@@ -297,6 +309,9 @@ def cache_attention_mosaic(
     if v_cache.dtype != k_cache.dtype:
         raise NotImplementedError("k and v caches must share a dtype")
     g = h // kvh
+    skip = skip_lo is not None
+    if skip != (skip_hi is not None):
+        raise ValueError("skip_lo and skip_hi go together: pass both or neither")
     sm_scale = default_sm_scale(d, sm_scale)
     dtype = jnp.dtype(q.dtype)
     fp8 = jnp.dtype(k_cache.dtype) == jnp.dtype(jnp.float8_e4m3fn)
@@ -360,8 +375,11 @@ def cache_attention_mosaic(
         dequant=dequant,
         dtype=dtype,
         interpret=interpret is not False,
+        skip=skip,
     )
     args = [qr, k_cache, v_cache, pos, nblk]
+    if skip:  # padding rows hide nothing (lo == hi == 0)
+        args += [skip_rows(skip_lo, g, m_pad), skip_rows(skip_hi, g, m_pad)]
     if scale_mode is not None:
         args += [ks, vs]
     call = plgpu.kernel(

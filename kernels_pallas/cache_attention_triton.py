@@ -2,7 +2,8 @@
 
 Same contract as `kernels_pallas.cache_attention.cache_attention_reference`:
 q ``[B, T, H, D]``, k/v cache ``[B, KVH, S, D]`` (row s = absolute position s),
-q_positions ``[B, T]``; query row (b, t) attends to cache rows ``s <= q_positions[b, t]``.
+q_positions ``[B, T]``; query row (b, t) attends to cache rows ``s <= q_positions[b, t]``,
+except the rows ``skip_lo[b, t] <= s < skip_hi[b, t]`` when a tree mask is given.
 
 Kernel structure (one program per (batch, kv head, query block, kv split)):
 
@@ -46,6 +47,7 @@ from kernels_pallas._common import (
     prepare_scales,
     row_positions,
     rows_to_heads,
+    skip_rows,
 )
 
 _NEG_INIT = -1e30  # finite running-max init: fully masked blocks never produce NaN
@@ -60,12 +62,15 @@ def _kernel(
     scale_mode: str | None,
     compute_dtype,
     precision,
+    skip: bool,
 ):
-    if scale_mode is None:
-        q_ref, k_ref, v_ref, pos_ref, *out_refs = refs
-        ks_ref = vs_ref = None
-    else:
-        q_ref, k_ref, v_ref, pos_ref, ks_ref, vs_ref, *out_refs = refs
+    q_ref, k_ref, v_ref, pos_ref, *refs = refs
+    lo_ref = hi_ref = ks_ref = vs_ref = None
+    if skip:
+        lo_ref, hi_ref, *refs = refs
+    if scale_mode is not None:
+        ks_ref, vs_ref, *refs = refs
+    out_refs = refs
     split = pl.program_id(3)
 
     q = q_ref[...]  # [BM, D]
@@ -91,6 +96,8 @@ def _kernel(
 
     col = lax.broadcasted_iota(jnp.int32, (block_m, block_k), 1)
     pos2 = pos[:, None]
+    if skip:  # the tree mask: each row's hidden window [lo, hi)
+        lo2, hi2 = lo_ref[...][:, None], hi_ref[...][:, None]
 
     def body(j, carry):
         acc, m_prev, l_prev = carry
@@ -105,6 +112,8 @@ def _kernel(
         else:
             s = s * qk_scale
         mask = (col + start) <= pos2
+        if skip:
+            mask = mask & ~(((col + start) >= lo2) & ((col + start) < hi2))
         s = jnp.where(mask, s, -jnp.inf)
         m_cur = jnp.max(s, axis=1)
         m_next = jnp.maximum(m_prev, m_cur)
@@ -157,6 +166,8 @@ def cache_attention_triton(
     k_scale=None,
     v_scale=None,
     sm_scale: float | None = None,
+    skip_lo=None,
+    skip_hi=None,
     interpret: bool = False,
     block_m: int = 64,
     block_k: int | None = None,
@@ -221,6 +232,12 @@ def cache_attention_triton(
         pl.BlockSpec((None, bm), lambda i, j, qb, sp: (i, qb)),
     ]
     args = [qr, k_cache, v_cache, pos]
+    skip = skip_lo is not None
+    if skip != (skip_hi is not None):
+        raise ValueError("skip_lo and skip_hi go together: pass both or neither")
+    if skip:  # padding rows hide nothing (lo == hi == 0)
+        in_specs += [pl.BlockSpec((None, bm), lambda i, j, qb, sp: (i, qb))] * 2
+        args += [skip_rows(skip_lo, g, m_pad), skip_rows(skip_hi, g, m_pad)]
     if scale_mode == "per_head":
         spec = pl.BlockSpec((None,), lambda i, j, qb, sp: (j,))
         in_specs += [spec, spec]
@@ -254,6 +271,7 @@ def cache_attention_triton(
         scale_mode=scale_mode,
         compute_dtype=compute_dtype,
         precision=precision,
+        skip=skip,
     )
     outs = pl.pallas_call(
         kernel,

@@ -159,6 +159,7 @@ def load(
     prompt_lookup_min: int = 2,
     prompt_lookup_max: int = 4,
     head_draft_tokens: int | None = None,
+    two_chains: bool = False,
 ) -> LoadedModel:
     """Load and configure a target model and its draft head.
 
@@ -175,6 +176,8 @@ def load(
     head_draft_tokens: in an "X+ngram" method, the drafts the head proposes where the lookup has
       no match (None: K, as many as a match); fewer verify rows when the head is right mostly
       on its first drafts (`drafters.hybrid`).
+    two_chains: in an "X+ngram" method, verify the head's and the lookup's drafts together in
+      one target forward where the lookup matches (greedy rounds; `generate.tree`).
 
     Raises FileNotFoundError / ValueError with a message naming the bad setting.
     """
@@ -193,6 +196,8 @@ def load(
     if head_draft_tokens is not None and (method not in HYBRID_METHODS or head_draft_tokens < 1):
         raise ValueError(f"head_draft_tokens ({head_draft_tokens}) needs a method X+ngram "
                          f"({', '.join(HYBRID_METHODS)}) and a value >= 1; got method {method!r}")
+    if two_chains and method not in HYBRID_METHODS:
+        raise ValueError(f"two_chains needs a method X+ngram ({', '.join(HYBRID_METHODS)}); got method {method!r}")
     if head_spec is None and method in ("eagle3", "peagle", *HYBRID_METHODS):
         raise ValueError(f"method {method!r} needs a draft head (drafter=DIR)"
                          + ("" if is_default_model(model) else "; only the default model ships one"))
@@ -224,7 +229,7 @@ def load(
             from peagle_jax.drafters.ngram import NgramProposer
 
             llm.drafter = HybridProposer(llm.drafter, NgramProposer(prompt_lookup_min, prompt_lookup_max),
-                                         head_draft_tokens)
+                                         head_draft_tokens, two_chains=two_chains)
     llm.method = method if method != "auto" else method_for(llm.drafter)
     log.info("loaded %s%s in %.1fs (method %s)", model_path.name, f" + {head_spec}" if head_spec else "",
              time.perf_counter() - t0, llm.method)

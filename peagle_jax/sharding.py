@@ -147,21 +147,25 @@ def constrain(x: jax.Array, spec: P, mesh: Mesh | None) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-def sharded_attention(attn_fn, mesh: Mesh, batch: int, num_kv_heads: int, *, fp8: bool = False):
+def sharded_attention(attn_fn, mesh: Mesh, batch: int, num_kv_heads: int, *, fp8: bool = False, skip: bool = False):
     """Wrap a per-device attention op in shard_map: each device attends its own KV heads.
 
     q heads h = kv_head * G + g, so a contiguous split of the H query heads and of the KVH
-    KV heads over `model` keeps every query head with its KV head on the same device.
+    KV heads over `model` keeps every query head with its KV head on the same device. The
+    wrapped op takes (q, k, v, slots[, skip_lo, skip_hi][, k_scale, v_scale]).
     """
     kv = cache_spec(batch, num_kv_heads, mesh)
     rows = P(kv[0], None, kv[1], None)  # q and the output [B, T, H, D]: heads split like the kv heads
     pos = P(kv[0], None)
-    if fp8:  # K/V scales [B, KVH, S, 1] shard like the cache
-        def fn(q, k, v, p, ks, vs):
-            return attn_fn(q, k, v, p, k_scale=ks, v_scale=vs)
 
-        return jax.shard_map(fn, mesh=mesh, in_specs=(rows, kv, kv, pos, kv, kv), out_specs=rows, check_vma=False)
-    return jax.shard_map(attn_fn, mesh=mesh, in_specs=(rows, kv, kv, pos), out_specs=rows, check_vma=False)
+    def fn(q, k, v, p, *rest):
+        window = dict(zip(("skip_lo", "skip_hi"), rest[:2], strict=True)) if skip else {}
+        scales = dict(zip(("k_scale", "v_scale"), rest[2 if skip else 0:], strict=True)) if fp8 else {}
+        return attn_fn(q, k, v, p, **window, **scales)
+
+    # K/V scales [B, KVH, S, 1] shard like the cache; the tree mask's windows like the slots
+    in_specs = (rows, kv, kv, pos) + ((pos, pos) if skip else ()) + ((kv, kv) if fp8 else ())
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=rows, check_vma=False)
 
 
 def maybe_initialize_distributed() -> bool:

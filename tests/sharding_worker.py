@@ -11,6 +11,8 @@ import sys
 import jax
 
 from peagle_jax.drafters import DrafterConfig, create_drafter
+from peagle_jax.drafters.hybrid import HybridProposer
+from peagle_jax.drafters.ngram import NgramProposer
 from peagle_jax.generate import speculative_generate
 from peagle_jax.models import ModelConfig, create_model
 from peagle_jax.sharding import make_mesh, shard_module
@@ -43,6 +45,10 @@ def run(mesh_spec: str | None, arch: str) -> dict:
     for method in ("none", "eagle3", "peagle"):
         r = speculative_generate(target, drafter, PROMPTS, method=method, num_draft_tokens=3, max_new_tokens=12)
         out[method] = r.tokens
+    # both chains in one forward: the tree mask's windows go through the sharded attention
+    hybrid = HybridProposer(drafter, NgramProposer(1, 3), head_draft_tokens=1, two_chains=True)
+    r = speculative_generate(target, hybrid, PROMPTS, method="peagle+ngram", num_draft_tokens=3, max_new_tokens=12)
+    out["peagle+ngram/2c"] = r.tokens
     q = target.layers[0].self_attn.q_proj.kernel.value
     down = target.layers[0].mlp.down_proj
     down = down.kernel.value if hasattr(down, "kernel") else down.value

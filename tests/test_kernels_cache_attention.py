@@ -437,3 +437,93 @@ def test_reference_result_does_not_depend_on_the_capacity_or_other_rows():
     k2, v2 = jnp.concatenate([k_big, v_big[:, ::-1]]), jnp.concatenate([v_big, k_big])
     beside = np.asarray(attend(q2, k2, v2, pos2).astype(jnp.float32))
     assert np.array_equal(alone[0], beside[0])
+
+
+# --------------------------------------------------------------------------- the tree mask
+
+
+def _tree_rows(b, s, wm, wa, align=16, seed=3):
+    """Slots and hidden windows of a two-chain tree verify per sequence: root at n, the main
+    chain at n+1..n+wm, the second chain at n+A+1..n+A+wa hiding [n+1, n+A+1)."""
+    a = -(-(wm + 1) // align) * align
+    n = np.random.default_rng(seed).integers(0, s - a - wa, size=b)
+    n[0] = 0
+    slots = np.concatenate([n[:, None] + np.arange(wm + 1)[None], n[:, None] + a + 1 + np.arange(wa)[None]], 1)
+    lo = np.zeros_like(slots)
+    hi = np.zeros_like(slots)
+    lo[:, wm + 1:] = (n + 1)[:, None]
+    hi[:, wm + 1:] = (n + a + 1)[:, None]
+    return (jnp.asarray(slots, jnp.int32), jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32))
+
+
+def _dense_tree_reference(q, k, v, slots, lo, hi):
+    """Every key scored, the mask built directly: causal by slot, minus each row's window."""
+    b, t, h, d = q.shape
+    kvh = k.shape[1]
+    kk = jnp.repeat(k.astype(jnp.float32), h // kvh, axis=1)  # [B, H, S, D]
+    vv = jnp.repeat(v.astype(jnp.float32), h // kvh, axis=1)
+    scores = jnp.einsum("bthd,bhsd->bhts", q.astype(jnp.float32), kk, precision="highest") / np.sqrt(d)
+    s = jnp.arange(k.shape[2])[None, None, None, :]
+    visible = (s <= slots[:, None, :, None]) & ~((s >= lo[:, None, :, None]) & (s < hi[:, None, :, None]))
+    probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bhts,bhsd->bthd", probs, vv, precision="highest").astype(q.dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_reference_tree_mask_matches_dense(dtype):
+    b, kvh, g, s, d, wm, wa = 3, 2, 3, 128, 64, 3, 5
+    q, k, v, _, _ = _make(b, wm + 1 + wa, kvh, g, s, d, jnp.dtype(dtype))
+    slots, lo, hi = _tree_rows(b, s, wm, wa)
+    ref = _dense_tree_reference(q, k, v, slots, lo, hi)
+    for key_block in (128, 32):  # one block, and windows and chains spread over several
+        with jax.default_matmul_precision("highest"):
+            out = cache_attention_reference(q, k, v, slots, skip_lo=lo, skip_hi=hi, key_block=key_block)
+        assert _err(out, ref) <= TOL[dtype]
+    # the window matters: without it the second chain would see the first
+    plain = cache_attention_reference(q, k, v, slots)
+    assert _err(plain[:, wm + 1:], ref[:, wm + 1:]) > 10 * TOL[dtype]
+    np.testing.assert_array_equal(np.asarray(plain[:, :wm + 1], np.float32), np.asarray(out[:, :wm + 1], np.float32))
+    with pytest.raises(ValueError, match="skip_lo and skip_hi"):
+        cache_attention_reference(q, k, v, slots, skip_lo=lo)
+
+
+def test_tree_chain_rows_equal_their_natural_rows_bitwise():
+    """A second chain's rows, written 16 rows further on with the first chain's rows hidden,
+    give bitwise the values they get at their natural rows (what plain decoding computes):
+    the keys keep their lanes in every reduction. Greedy tree verify relies on this."""
+    b, kvh, g, s, d, wm, wa = 4, 3, 3, 256, 64, 3, 7
+    a = 16
+    ks = jax.random.split(jax.random.PRNGKey(7), 5)
+    q = jax.random.normal(ks[0], (b, wa, kvh * g, d)).astype(jnp.bfloat16)
+    k = jax.random.normal(ks[1], (b, kvh, s, d)).astype(jnp.bfloat16)
+    v = jax.random.normal(ks[2], (b, kvh, s, d)).astype(jnp.bfloat16)
+    kb = jax.random.normal(ks[3], (b, kvh, wa, d)).astype(jnp.bfloat16)
+    vb = jax.random.normal(ks[4], (b, kvh, wa, d)).astype(jnp.bfloat16)
+    n = jnp.asarray([5, 40, 100, 200], jnp.int32)
+    natural = n[:, None] + 1 + jnp.arange(wa)[None]
+    write = jax.vmap(lambda c, rows, at: jax.lax.dynamic_update_slice_in_dim(c, rows, at, axis=1))
+    attend = jax.jit(cache_attention_reference)
+    want = attend(q, write(k, kb, n + 1), write(v, vb, n + 1), natural)
+    got = attend(q, write(k, kb, n + a + 1), write(v, vb, n + a + 1), natural + a,
+                 skip_lo=jnp.broadcast_to(n[:, None] + 1, natural.shape),
+                 skip_hi=jnp.broadcast_to(n[:, None] + a + 1, natural.shape))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    del wm
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_triton_tree_mask_matches_dense(dtype):
+    b, kvh, g, s, d, wm, wa = 2, 2, 3, 128, 64, 1, 3
+    q, k, v, _, _ = _make(b, wm + 1 + wa, kvh, g, s, d, jnp.dtype(dtype))
+    slots, lo, hi = _tree_rows(b, s, wm, wa)
+    out = _jit(cache_attention_triton, num_splits=1)(q, k, v, slots, skip_lo=lo, skip_hi=hi)
+    assert _err(out, _dense_tree_reference(q, k, v, slots, lo, hi)) <= TOL[dtype]
+
+
+@needs_mosaic
+def test_mosaic_tree_mask_matches_dense():
+    b, kvh, g, s, d, wm, wa = 2, 1, 4, 128, 64, 3, 3
+    q, k, v, _, _ = _make(b, wm + 1 + wa, kvh, g, s, d, jnp.bfloat16)
+    slots, lo, hi = _tree_rows(b, s, wm, wa)
+    out = _jit(cache_attention_mosaic, num_splits=1)(q, k, v, slots, skip_lo=lo, skip_hi=hi)
+    assert _err(out, _dense_tree_reference(q, k, v, slots, lo, hi)) <= TOL["bfloat16"]

@@ -97,12 +97,14 @@ def test_ngram_refuses_heads_and_feature_drafters(target):
 @pytest.mark.parametrize("method", ["peagle+ngram", "eagle3+ngram"])
 @pytest.mark.parametrize("k", [1, 3, 7])
 @pytest.mark.parametrize("head_draft_tokens", [None, 1])
-def test_greedy_hybrid_is_exactly_plain_decoding(target, reference, method, k, head_draft_tokens):
+@pytest.mark.parametrize("two_chains", [False, True], ids=["one-chain", "two-chains"])
+def test_greedy_hybrid_is_exactly_plain_decoding(target, reference, method, k, head_draft_tokens, two_chains):
     from peagle_jax.drafters import DrafterConfig, create_drafter
     from peagle_jax.drafters.hybrid import HybridProposer
 
     cfg = DrafterConfig.for_target(target.config, num_layers=1, parallel_drafting=True, mask_token_id=VOCAB - 1)
-    hybrid = HybridProposer(create_drafter(cfg, seed=2), NgramProposer(1, 3), head_draft_tokens)
+    hybrid = HybridProposer(create_drafter(cfg, seed=2), NgramProposer(1, 3), head_draft_tokens,
+                            two_chains=two_chains)
     out = speculative_generate(target, hybrid, PROMPTS, method=method, num_draft_tokens=k, max_new_tokens=32,
                                eos_token_ids=[EOS])
     assert out.tokens == [t[:32] for t in reference.tokens]
@@ -244,3 +246,76 @@ def test_hybrid_methods_resolve_through_the_front_door(target):
 
     with pytest.raises(ValueError, match="head_draft_tokens"):  # refused before any model is loaded
         load(None, method="peagle", head_draft_tokens=1)
+
+
+# --------------------------------------------------------------------------- two chains, one forward
+
+
+@pytest.fixture(scope="module")
+def target_bf16():
+    cfg = ModelConfig(architecture="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      dtype="bfloat16")
+    return create_model(cfg, seed=5)
+
+
+@pytest.mark.parametrize("winner", ["second", "main"])
+def test_two_chain_verify_keeps_the_longer_chain_bitwise(target_bf16, winner):
+    """One forward over [root | main | second]: the winning chain is accepted as far as plain
+    greedy decoding goes, its rows' logits are bitwise those of a verify of that chain alone
+    (so greedy output stays plain decoding's in bf16), and the committed K/V rows are bitwise
+    where a verify of the winner alone would have written them."""
+    import jax
+
+    from peagle_jax.drafters.drafting import Branch, Proposal
+    from peagle_jax.generate import steps, tree
+    from peagle_jax.sampling import SamplingParams
+
+    target = target_bf16
+    prompt = [[1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    plain = speculative_generate(target, None, prompt, method="none", max_new_tokens=8).tokens[0]
+    k = 3
+    config = steps.SpecConfig("ngram", k, True, capacity=64, out_size=16)
+    state = steps.prefill(target, NgramProposer(), jnp.asarray(prompt, jnp.int32), jnp.asarray([9]), config,
+                          max_new=jnp.asarray([8]), sp=SamplingParams.full(1), eos_ids=jnp.asarray([EOS]),
+                          key=jax.random.key(0)[None])
+    right = jnp.asarray([plain[1:1 + k]], jnp.int32)
+    wrong = (right + 7) % (VOCAB - 1) + 1
+    main, second = (wrong, right) if winner == "second" else (right.at[0, 2].set(wrong[0, 2]), wrong)
+    proposal = Proposal(main, None, None, jnp.asarray([k]), (k,), Branch(second, jnp.asarray([k])))
+    # jitted with the step programs' compiler options, which keep every row's value independent
+    # of the row count (tests/test_row_invariance.py)
+    target_step = steps.step_jit(lambda: steps._target_step(target, state, proposal, jax.random.key(1)[None],
+                                                            config, jnp.asarray([True])))
+    verify = steps.step_jit(lambda d: steps.verify_forward(target, state.target_cache, state.last_token, d,
+                                                           return_aux=False))
+    cache, m, nxt, _, drafts = target_step()
+    expect_m = k if winner == "second" else 2
+    assert int(m[0]) == expect_m and int(nxt[0]) == plain[1 + expect_m]
+    assert drafts.tolist() == (second if winner == "second" else main).tolist()
+    # the same chain verified alone, at its natural rows
+    alone = verify(right)
+    n = int(state.target_cache.lengths[0])
+    for got, want in zip(cache.layers, alone.cache.layers, strict=True):
+        np.testing.assert_array_equal(np.asarray(got.k[:, :, :n + 1 + expect_m], np.float32),
+                                      np.asarray(want.k[:, :, :n + 1 + expect_m], np.float32))
+        np.testing.assert_array_equal(np.asarray(got.v[:, :, :n + 1 + expect_m], np.float32),
+                                      np.asarray(want.v[:, :, :n + 1 + expect_m], np.float32))
+    layout = tree.two_chain_layout(state.target_cache.lengths, k, k)
+    both = steps.step_jit(lambda t: target(t, layout.positions, state.target_cache, slots=layout.slots,
+                                           skip=(layout.skip_lo, layout.skip_hi)))(
+        jnp.concatenate([state.last_token[:, None], main, second], axis=1))
+    rows = tree.second_chain_rows(k, k)
+    natural = (alone if winner == "second" else verify(second)).logits
+    np.testing.assert_array_equal(np.asarray(both.logits[:, rows]), np.asarray(natural))
+
+
+def test_second_chain_is_verified_only_where_it_fits():
+    from peagle_jax.generate import tree
+
+    assert tree.chain_offset(1, 3) == 16 and tree.chain_offset(3, 15) == 16 and tree.chain_offset(16, 3) == 32
+    lengths = jnp.asarray([0, 40, 45, 495, 520])
+    # capacity 64, one key block: the chain's last row n + 16 + 3 must lie below 64
+    assert tree.second_chain_fits(lengths, 1, 3, 64).tolist() == [True, True, False, False, False]
+    # several key blocks: the chain must stay in the key block of its natural rows
+    assert tree.second_chain_fits(lengths, 1, 3, 1024, key_block=512).tolist() == [True, True, True, False, True]

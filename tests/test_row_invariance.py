@@ -68,17 +68,24 @@ def test_step_rows_are_bitwise_row_count_invariant(smollm2_bf16):
             assert np.array_equal(row, rows[1]), f"row 0 of a {r}-row forward differs from a 1-row forward"
 
 
-@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+@pytest.mark.parametrize("method", ["peagle", "eagle3", "peagle+ngram/2c"])
 @pytest.mark.parametrize("k", [1, 3, 7])
 def test_greedy_speculative_matches_plain_in_bf16(smollm2_bf16, method, k):
+    """peagle+ngram/2c: the head's chain and prompt lookup's verified in one forward, the
+    second chain's rows written 16 rows on (generate.tree)."""
     from peagle_jax.checkpoints.default_model import default_drafter_path
     from peagle_jax.checkpoints.drafter_io import load_drafter
+    from peagle_jax.drafters.hybrid import HybridProposer
+    from peagle_jax.drafters.ngram import NgramProposer
 
     target, prompts, eos = smollm2_bf16
-    head = default_drafter_path(method)
+    head = default_drafter_path(method.split("+")[0])
     if head is None:
         pytest.skip(f"no shipped {method} head")
     drafter = load_drafter(head, target=target, dtype="bfloat16")
+    if method.endswith("/2c"):
+        drafter = HybridProposer(drafter, NgramProposer(2, 4), head_draft_tokens=1, two_chains=True)
+        method = method.removesuffix("/2c")
     accept = []
     for prompt in prompts:  # batch 1: the rows of one sequence
         plain = speculative_generate(target, None, [prompt], method="none", max_new_tokens=BUDGET, eos_token_ids=eos)

@@ -408,23 +408,32 @@ def test_sigterm_drains_then_ends_every_stream_and_exits_0(drain, max_tokens, re
             proc.wait()
 
 
-def test_ngram_server_equals_plain_decoding(models):
-    # Prompt lookup through the server's slot engine: greedy completions exactly plain decoding's.
+@pytest.mark.parametrize("method", ["ngram", "peagle+ngram/2c"])
+def test_context_drafter_server_equals_plain_decoding(models, method):
+    # Through the server's slot engine, greedy completions are exactly plain decoding's with
+    # prompt lookup alone, and with P-EAGLE + prompt lookup verifying both chains in one
+    # forward (greedy program; a sampled request then runs the sampled program, one chain).
+    from peagle_jax.drafters.hybrid import HybridProposer
     from peagle_jax.drafters.ngram import NgramProposer
 
-    target, _, tok, eos = models
+    target, head, tok, eos = models
+    drafter = NgramProposer(1, 3)
+    if method != "ngram":
+        drafter = HybridProposer(head, drafter, head_draft_tokens=1, two_chains=True)
     config = ServeConfig(max_batch_size=2, max_model_len=MAX_LEN, num_draft_tokens=K, warmup=False,
                          served_model_name=MODEL)
-    app = create_app(config, target=target, drafter=NgramProposer(1, 3), tokenizer=tok, eos_ids=eos)
+    app = create_app(config, target=target, drafter=drafter, tokenizer=tok, eos_ids=eos)
     prompts = ["the the the the the", "a b c a b c a b"]
     ref = speculative_generate(target, None, [tok.encode(p) for p in prompts], method="none", max_new_tokens=24,
                                eos_token_ids=eos)
     with serve_in_thread(app) as url:
-        assert httpx.get(url + "/health").json()["method"] == "ngram"
+        assert httpx.get(url + "/health").json()["method"] == method.removesuffix("/2c")
         c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
         for p, want in zip(prompts, ref.tokens, strict=True):
             got = c.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0).choices[0].text
             assert got == tok.decode(want, skip_special_tokens=True)
+        sampled = c.completions.create(model=MODEL, prompt=prompts[0], max_tokens=8, temperature=0.8, seed=1)
+        assert sampled.usage.completion_tokens == 8
 
 
 @pytest.mark.parametrize("k", [0, 1])

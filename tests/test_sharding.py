@@ -34,8 +34,9 @@ def llama_runs():
 @pytest.mark.parametrize("spec", MESHES)
 def test_sharded_greedy_output_identical(llama_runs, spec):
     base = llama_runs["none"]
-    for method in ("none", "eagle3", "peagle"):
+    for method in ("none", "eagle3", "peagle", "peagle+ngram/2c"):
         assert llama_runs[spec][method] == base[method], (spec, method)
+    assert base["peagle+ngram/2c"] == base["none"]
 
 
 @pytest.mark.parametrize("spec", MESHES)

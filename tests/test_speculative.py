@@ -167,8 +167,10 @@ def _exact_joint(target, prompt, temperature, top_p):
     return np.stack([p1[a] * probs_after(prompt + [a]) for a in range(SMALL_V)])
 
 
-@pytest.mark.parametrize("method", ["peagle", "eagle3", "ngram", "peagle+ngram"])
+@pytest.mark.parametrize("method", ["peagle", "eagle3", "ngram", "peagle+ngram", "peagle+ngram/2c"])
 def test_sampling_matches_target_distribution(small_target, method):
+    # peagle+ngram/2c: the hybrid built to verify both chains in greedy rounds; sampled rounds
+    # take one chain per round (drafters.hybrid), which must stay exact.
     prompt, n = [1, 2, 3], 20000
     if method != "ngram":
         cfg = DrafterConfig.for_target(small_target.config, num_layers=1, parallel_drafting=True,
@@ -179,9 +181,10 @@ def test_sampling_matches_target_distribution(small_target, method):
         # A repetitive prompt and 2-grams: the context drafter proposes in some rounds (and the
         # hybrid's head in the others).
         prompt, lookup = [1, 2, 3, 1, 2, 3, 1, 2], NgramProposer(2, 3)
-        drafter = lookup if method == "ngram" else HybridProposer(drafter, lookup)
+        drafter = lookup if method == "ngram" else HybridProposer(drafter, lookup, two_chains=method.endswith("/2c"))
     exact = _exact_joint(small_target, prompt, 0.8, 0.9)
-    out = speculative_generate(small_target, drafter, [prompt] * n, method=method, num_draft_tokens=3,
+    out = speculative_generate(small_target, drafter, [prompt] * n, method=method.removesuffix("/2c"),
+                               num_draft_tokens=3,
                                max_new_tokens=2, temperature=0.8, top_p=0.9, seed=11)
     p = _chi_square_p(np.array([t[:2] for t in out.tokens]), exact)
     assert p > 0.01, p

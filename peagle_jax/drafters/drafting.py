@@ -56,6 +56,17 @@ class DraftSettings(NamedTuple):
     out_len: Int[Array, " B"]  # tokens emitted so far: where replaying drafters read
 
 
+class Branch(NamedTuple):
+    """A second chain of drafts from the same root as the main one (greedy rounds only).
+
+    The round verifies both chains in one target forward (`generate.tree`) and keeps the
+    longer accepted prefix; a sequence with `num_drafts` 0 has no second chain this round.
+    """
+
+    tokens: Int[Array, "B W"]
+    num_drafts: Int[Array, " B"]
+
+
 class Proposal(NamedTuple):
     """One round's drafts from a `Proposer`.
 
@@ -71,6 +82,7 @@ class Proposal(NamedTuple):
     cache: Any  # the drafter's new cache (KVCache, TokenHistory) or None
     num_drafts: Int[Array, " B"] | None = None  # drafts proposed per sequence, 0..K; None: K for all
     widths: tuple[int, ...] | None = None  # the static values num_drafts takes (None: just K)
+    branch: Branch | None = None  # a second chain verified beside this one (greedy), or None
 
 
 @runtime_checkable

@@ -22,8 +22,13 @@ not take another round's rows, the head runs even where the lookup matches.
 
 The choice depends only on the tokens so far, never on this round's random draws, so sampled
 decoding stays exact: rows on the n-gram branch carry a point-mass q at their drafts, the
-others the head's q. Verifying both branches in one tree-masked forward is not built; this
-is the one-branch-per-round rule, exact for greedy and for sampling alike.
+others the head's q. That is the one-branch-per-round rule, exact for greedy and sampling.
+
+With `two_chains` (greedy rounds only), a sequence whose lookup matches does not have to
+choose: the head's k_h drafts are the main chain and the lookup's K a second chain from the
+same root, both verified in ONE target forward (`generate.tree`), and the longer accepted
+prefix wins. The head then runs every round (nothing is deferred). Sampled rounds keep the
+one-branch rule: an exact acceptance rule over two chains of different drafters is not built.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from peagle_jax.cache import KVCache, TokenHistory
-from peagle_jax.drafters.drafting import DraftSettings, Pending, Proposal, Proposer, pad_rows
+from peagle_jax.drafters.drafting import Branch, DraftSettings, Pending, Proposal, Proposer, pad_rows
 from peagle_jax.drafters.ngram import NgramProposer
 
 
@@ -71,11 +76,12 @@ class HybridProposer(nnx.Module):
     """A `Proposer`: the n-gram branch where the context matches, the head's elsewhere."""
 
     def __init__(self, head: Proposer, ngram: NgramProposer, head_draft_tokens: int | None = None,
-                 defer_rows: int = 16):
+                 defer_rows: int = 16, two_chains: bool = False):
         """head_draft_tokens: drafts the head proposes where the lookup has no match (None: K,
         the same as a lookup match; larger values are capped at K). defer_rows: accepted rows
         that may wait for the head while the lookup drafts alone (0: the head runs every round;
-        a round accepts up to K+1 rows, so fewer than K+1 never skips)."""
+        a round accepts up to K+1 rows, so fewer than K+1 never skips). two_chains: in greedy
+        rounds, verify the head's and the lookup's drafts together (see the module docstring)."""
         if not head.uses_features:
             raise ValueError("the hybrid pairs a feature-reading head (EAGLE-3 / P-EAGLE) with prompt lookup")
         if head_draft_tokens is not None and head_draft_tokens < 1:
@@ -86,6 +92,7 @@ class HybridProposer(nnx.Module):
         self.ngram = ngram
         self.head_draft_tokens = head_draft_tokens
         self.defer_rows = defer_rows
+        self.two_chains = two_chains
 
     uses_features = True
 
@@ -116,6 +123,11 @@ class HybridProposer(nnx.Module):
         k = settings.num_draft_tokens
         k_head = self.head_drafts(k)
         lookup = self.ngram.propose(cache.history, pending, settings)
+        if self.two_chains and settings.greedy:  # both chains, one forward
+            head = self.head.propose(cache.head, pending, settings._replace(num_draft_tokens=k_head))
+            return Proposal(pad_rows(head.tokens, k), None, HybridCache(head.cache, lookup.cache, cache.deferred),
+                            jnp.full_like(lookup.num_drafts, k_head), (k_head,),
+                            Branch(lookup.tokens, lookup.num_drafts))
         use_lookup = lookup.num_drafts > 0
         active = jnp.ones_like(use_lookup) if pending.active is None else pending.active
         deferred = cache.deferred

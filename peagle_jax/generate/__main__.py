@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-draft-tokens", type=int, default=None,
                    help="X+ngram methods: drafts the head proposes where prompt lookup has no match "
                         "(default: --num-draft-tokens)")
+    p.add_argument("--two-chains", action="store_true",
+                   help="X+ngram methods: verify the head's and the lookup's drafts in one forward (greedy)")
     p.add_argument("-k", "--num-draft-tokens", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
@@ -65,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         llm = load(args.model, drafter=args.drafter or "auto", method=args.method or "auto", dtype=args.dtype,
                    mesh=args.mesh, attention=args.attention, kv_cache_dtype=args.kv_cache_dtype,
                    fp8_weights=args.fp8_weights, prompt_lookup_min=args.prompt_lookup_min,
-                   prompt_lookup_max=args.prompt_lookup_max, head_draft_tokens=args.head_draft_tokens)
+                   prompt_lookup_max=args.prompt_lookup_max, head_draft_tokens=args.head_draft_tokens,
+                   two_chains=args.two_chains)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -39,6 +39,7 @@ from jaxtyping import Array, Bool, Float, Int
 from peagle_jax import sampling
 from peagle_jax.cache import KVCache
 from peagle_jax.drafters.drafting import DraftSettings, Pending, Proposal, Proposer, pad_rows
+from peagle_jax.generate import tree
 from peagle_jax.models.transformer import CausalLM
 from peagle_jax.sampling import SamplingParams
 
@@ -229,7 +230,7 @@ def verify_width_index(widths: tuple[int, ...], limit: Int[Array, " B"], active:
 
 def _target_step(target: CausalLM, state: SpecState, proposal: Proposal, key: jax.Array, config: SpecConfig,
                  active: Bool[Array, " B"]):
-    """The target's part of a round: (cache, accepted count m, next token, feature taps).
+    """The target's part of a round: (cache, accepted count m, next token, feature taps, drafts).
 
     A proposer that drafts fewer than K tokens for some sequences (prompt lookup without a
     match, a hybrid whose head drafts few) reports `num_drafts` and the static `widths` it
@@ -238,6 +239,10 @@ def _target_step(target: CausalLM, state: SpecState, proposal: Proposal, key: ja
     program per width is compiled and `lax.switch` picks one per round. A sequence accepts at
     most its own num_drafts, exactly as if only those had been proposed, so greedy output
     stays plain decoding's and sampling stays exact whatever width the batch runs.
+
+    A proposal with a second chain (`Proposal.branch`, greedy only) verifies both chains in one
+    forward when any active sequence has one that fits (`generate.tree`); `drafts` are then
+    each sequence's winning chain.
     """
     k = config.num_draft_tokens
     if proposal.num_drafts is None:  # K drafts for every sequence: one K+1-row verify
@@ -254,12 +259,59 @@ def _target_step(target: CausalLM, state: SpecState, proposal: Proposal, key: ja
             else:
                 out, m, nxt = _verify_step(target, state, proposal, key, config, w, jnp.minimum(limit, w))
             aux = None if out.aux_hidden is None else pad_rows(out.aux_hidden, k + 1)
-            return out.cache, m, nxt, aux
+            return out.cache, m, nxt, aux, pad_rows(proposal.tokens, k)
         return run
 
-    if len(widths) == 1:
-        return branch(widths[0])()
-    return jax.lax.switch(verify_width_index(widths, limit, active), [branch(w) for w in widths])
+    def main_chain():
+        if len(widths) == 1:
+            return branch(widths[0])()
+        return jax.lax.switch(verify_width_index(widths, limit, active), [branch(w) for w in widths])
+
+    if proposal.branch is None:
+        return main_chain()
+    if not config.greedy:
+        raise ValueError("a second draft chain is verified only in greedy rounds (sampling takes one chain per round)")
+    second = proposal.branch
+    main_width, second_width = widths[-1], second.tokens.shape[1]
+    if second_width > k:
+        raise ValueError(f"the second chain's width {second_width} exceeds K={k}")
+    n = state.target_cache.lengths
+    fits = tree.second_chain_fits(n, main_width, second_width, state.target_cache.capacity)
+    second_limit = jnp.where(fits, jnp.minimum(state.draft_limit, second.num_drafts), 0)
+
+    def both_chains():
+        return _two_chain_step(target, state, proposal, config, main_width, jnp.minimum(limit, main_width),
+                               second_limit)
+
+    return jax.lax.cond(jnp.any(active & (second_limit > 0)), both_chains, main_chain)
+
+
+def _two_chain_step(target: CausalLM, state: SpecState, proposal: Proposal, config: SpecConfig, main_width: int,
+                    main_limit: Int[Array, " B"], second_limit: Int[Array, " B"]):
+    """ONE target forward over [last_token | main chain | second chain] (`generate.tree`), greedy
+    acceptance on each chain, the longer accepted prefix kept and only its K/V committed."""
+    k = config.num_draft_tokens
+    main = proposal.tokens[:, :main_width]
+    second = proposal.branch.tokens
+    second_width = second.shape[1]
+    n = state.target_cache.lengths
+    layout = tree.two_chain_layout(n, main_width, second_width)
+    tokens = jnp.concatenate([state.last_token[:, None], main, second], axis=1)
+    out = target(tokens, layout.positions, state.target_cache, return_aux=config.uses_features,
+                 slots=layout.slots, skip=(layout.skip_lo, layout.skip_hi))
+    m_main, next_main = sampling.accept_greedy(main, out.logits[:, :main_width + 1], main_limit)
+    rows = tree.second_chain_rows(main_width, second_width)
+    m_second, next_second = sampling.accept_greedy(second, out.logits[:, rows], second_limit)
+    won = m_second > m_main  # ties keep the main chain, whose K/V needs no move
+    m = jnp.where(won, m_second, m_main)
+    nxt = jnp.where(won, next_second, next_main)
+    cache = tree.move_second_chain(out.cache, n, main_width, second_width, jnp.where(won, m_second, 0))
+    aux = None
+    if out.aux_hidden is not None:
+        aux = jnp.where(won[:, None, None], pad_rows(out.aux_hidden[:, rows], k + 1),
+                        pad_rows(out.aux_hidden[:, :main_width + 1], k + 1))
+    drafts = jnp.where(won[:, None], pad_rows(second, k), pad_rows(main, k))
+    return cache, m, nxt, aux, drafts
 
 
 def _plain_round(target: CausalLM, drafter: Proposer, state: SpecState, config: SpecConfig, key: jax.Array,
@@ -315,9 +367,9 @@ def spec_round(target: CausalLM, drafter: Proposer | None, state: SpecState, con
         def speculative():
             settings = draft_settings(config, state, k_draft, target.config.vocab_size)
             proposal = drafter.propose(state.drafter_cache, pending_rows(state), settings)
-            tcache, m, nxt, aux = _target_step(target, state, proposal, k_verify, config, active)
+            tcache, m, nxt, aux, drafts = _target_step(target, state, proposal, k_verify, config, active)
             rows = jnp.arange(k + 1)[None, :]
-            emitted = jnp.where(rows == m[:, None], nxt[:, None], pad_rows(proposal.tokens, k + 1))
+            emitted = jnp.where(rows == m[:, None], nxt[:, None], pad_rows(drafts, k + 1))
             pend_tok = _select(active, emitted, state.pending_tokens)
             pend_feat = None
             if config.uses_features:

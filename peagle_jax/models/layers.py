@@ -150,22 +150,28 @@ class Attention(nnx.Module):
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
     def __call__(
-        self, x: Float[Array, "B T Din"], positions: Int[Array, "B T"], kv: LayerKV
+        self, x: Float[Array, "B T Din"], positions: Int[Array, "B T"], kv: LayerKV,
+        slots: Int[Array, "B T"] | None = None, skip: tuple[Int[Array, "B T"], Int[Array, "B T"]] | None = None,
     ) -> tuple[Float[Array, "B T D"], LayerKV]:
+        """`positions` rotate q and k; `slots` (default: the positions) are the cache rows the
+        new K/V go to and each query's causal limit, and `skip` hides a window of rows per
+        query: a tree verify's second chain shares its positions with the first but not its rows."""
         b, t, _ = x.shape
         q, k, v = self.project_qkv(x, positions)
-        kv = kv.write(k, v, positions)
+        slots = positions if slots is None else slots
+        kv = kv.write(k, v, slots)
         attn = functools.partial(cache_attention, implementation=self.attn_impl, interpret=self.attn_interpret)
+        window = {} if skip is None else {"skip_lo": skip[0], "skip_hi": skip[1]}
         if self.mesh is not None:
             from peagle_jax.sharding import sharded_attention
 
             scales = (kv.k_scale, kv.v_scale) if kv.is_fp8 else ()
-            attend = sharded_attention(attn, self.mesh, b, self.num_kv_heads, fp8=kv.is_fp8)
-            out = attend(q, kv.k, kv.v, positions, *scales)
+            attend = sharded_attention(attn, self.mesh, b, self.num_kv_heads, fp8=kv.is_fp8, skip=skip is not None)
+            out = attend(q, kv.k, kv.v, slots, *(() if skip is None else skip), *scales)
         elif kv.is_fp8:
-            out = attn(q, kv.k, kv.v, positions, k_scale=kv.k_scale, v_scale=kv.v_scale)
+            out = attn(q, kv.k, kv.v, slots, k_scale=kv.k_scale, v_scale=kv.v_scale, **window)
         else:
-            out = attn(q, kv.k, kv.v, positions)
+            out = attn(q, kv.k, kv.v, slots, **window)
         return self.o_proj(out.reshape(b, t, -1)), kv
 
 

@@ -46,8 +46,8 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, kv):
-        h, kv = self.self_attn(self.input_layernorm(x), positions, kv)
+    def __call__(self, x, positions, kv, slots=None, skip=None):
+        h, kv = self.self_attn(self.input_layernorm(x), positions, kv, slots, skip)
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, kv
@@ -94,11 +94,15 @@ class CausalLM(nnx.Module):
         return_aux: bool = False,
         return_final_hidden: bool = False,
         compute_logits: bool = True,
+        slots: Int[Array, "B T"] | None = None,
+        skip: tuple[Int[Array, "B T"], Int[Array, "B T"]] | None = None,
     ) -> ForwardOutput:
         """Process T tokens at absolute `positions`, writing their K/V into `cache`.
 
         `logit_rows` picks the rows whose logits are computed (e.g. the last real prompt
-        token): the lm_head is a large part of a small model's cost.
+        token): the lm_head is a large part of a small model's cost. `slots` and `skip` lay
+        out a tree verify (`generate.tree`): the cache rows the K/V go to, when not the
+        positions, and the window of rows each query row does not see.
         """
         aux_ids = set(self.config.eagle_aux_layer_ids) if return_aux else set()
         x = self.embed(tokens)
@@ -107,7 +111,7 @@ class CausalLM(nnx.Module):
         for i, layer in enumerate(self.layers):
             if i in aux_ids:
                 taps[i] = x  # residual stream entering layer i
-            x, kv = layer(x, positions, cache.layers[i])
+            x, kv = layer(x, positions, cache.layers[i], slots, skip)
             new_layers.append(kv)
         h = self.norm(x)
         logits = None

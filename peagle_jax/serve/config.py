@@ -78,6 +78,8 @@ class ServeConfig(BaseModel):
     head_draft_tokens: int | None = Field(
         None, ge=1, description="X+ngram methods: drafts the head proposes where prompt lookup has no match "
         "(default: num_draft_tokens)")
+    two_chains: bool = Field(False, description="X+ngram methods: verify the head's and the lookup's drafts "
+                             "together in one forward where the lookup matches (greedy rounds)")
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     attention: Literal["xla", "triton", "mosaic", "auto"] | None = Field(
         None, description="cache-attention implementation (Pallas kernels on GPU; default: XLA reference)")
@@ -144,6 +146,8 @@ class ServeConfig(BaseModel):
         if self.head_draft_tokens is not None and not self.method.endswith("+ngram"):
             raise ValueError("head_draft_tokens applies to the methods eagle3+ngram and peagle+ngram, "
                              f"not {self.method!r}")
+        if self.two_chains and not self.method.endswith("+ngram"):
+            raise ValueError(f"two_chains applies to the methods eagle3+ngram and peagle+ngram, not {self.method!r}")
         check_prefill_chunk(self.prefill_chunk, self.min_prompt_bucket)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
@@ -170,6 +174,8 @@ _FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--prompt-lookup-max",), dict(type=int, help="largest n-gram --method ngram matches (default 4)")),
     (("--head-draft-tokens",), dict(type=int, help="X+ngram methods: drafts the head proposes where prompt "
                                                    "lookup has no match (default: --num-draft-tokens)")),
+    (("--two-chains",), dict(action="store_const", const=True, help="X+ngram methods: verify the head's and "
+                                                                    "the lookup's drafts in one forward")),
     (("--dtype",), dict(choices=("float32", "bfloat16"))),
     (("--attention",), dict(choices=("xla", "triton", "mosaic", "auto"), help="cache-attention implementation")),
     (("--kv-cache-dtype",), dict(choices=("float32", "bfloat16", "float8_e4m3fn"))),

@@ -1,0 +1,109 @@
+"""Two draft chains from one root, verified in ONE target forward (a two-branch tree).
+
+A hybrid drafter has two guesses for the same continuation: the head's chain and prompt
+lookup's. Verifying both costs one forward over 1 + w_main + w_second rows instead of two
+rounds. Per sequence (n = committed length; the root is the last emitted token, position n):
+
+  rows       root | main chain m_1 .. m_wm   | second chain s_1 .. s_ws
+  positions  n    | n+1 .. n+wm              | n+1 .. n+ws        (both chains continue the root)
+  slots      n    | n+1 .. n+wm              | n+A+1 .. n+A+ws    (the cache rows of their K/V)
+  hidden     -    | -                        | rows [n+1, n+A+1): the main chain and the gap
+
+so each chain sees the committed rows, the root and its own rows, causally, and nothing of
+the other (`kernels_pallas.cache_attention`'s skip window). Greedy acceptance runs on each
+chain; the longer accepted prefix wins. Only the winner is committed: the main chain's K/V
+is already where plain decoding puts it, and where the second chain wins its accepted rows'
+K/V move down by A (`move_second_chain`, m <= K rows per layer). Rows above the new length
+are dead as always.
+
+Why A is a multiple of 16 rather than wm + 1: the softmax sum over a key block is a
+vectorized reduction whose lanes follow the key's row index. A key moved by A lands in a
+different lane unless A is a multiple of the lane count, and then the sum, and the row's
+logits, can differ in the last bit from the same row in a plain decode step (measured: 1 in
+40 rows differed at odd offsets, none at multiples of 8). With A a multiple of 16 and the
+row's keys within the key block of their natural rows, the second chain's rows are bitwise
+the rows plain decoding computes (tests/test_kernels_cache_attention.py,
+tests/test_ngram.py), so greedy output stays plain decoding's. A sequence whose second
+chain would cross a key block or the cache capacity verifies its main chain alone that
+round.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Int
+
+from kernels_pallas.cache_attention import KEY_BLOCK
+from peagle_jax.cache import KVCache, LayerKV
+
+#: The second chain's rows start a multiple of this many rows after the root (see above).
+CHAIN_ALIGN = 16
+
+
+def chain_offset(main_width: int, second_width: int) -> int:
+    """A: how many rows after the root the second chain's K/V start, minus one.
+
+    At least both widths (the winner's rows then never overlap where they move from)."""
+    need = max(main_width, second_width) + 1
+    return -(-need // CHAIN_ALIGN) * CHAIN_ALIGN
+
+
+class TreeLayout(NamedTuple):
+    """Where a two-chain verify's rows sit: RoPE positions, cache slots and hidden windows."""
+
+    positions: Int[Array, "B T"]
+    slots: Int[Array, "B T"]
+    skip_lo: Int[Array, "B T"]
+    skip_hi: Int[Array, "B T"]
+
+
+def two_chain_layout(lengths: Int[Array, " B"], main_width: int, second_width: int) -> TreeLayout:
+    """The layout of [root | main chain | second chain] for committed lengths `lengths`."""
+    a = chain_offset(main_width, second_width)
+    n = lengths[:, None]
+    main = jnp.arange(main_width + 1)[None, :]
+    second = 1 + jnp.arange(second_width)[None, :]
+    positions = jnp.concatenate([n + main, n + second], axis=1)
+    slots = jnp.concatenate([n + main, n + a + second], axis=1)
+    is_second = jnp.arange(main_width + 1 + second_width)[None, :] > main_width
+    lo = jnp.where(is_second, n + 1, 0)
+    hi = jnp.where(is_second, n + a + 1, 0)
+    return TreeLayout(positions, slots, lo, hi)
+
+
+def second_chain_rows(main_width: int, second_width: int) -> Int[Array, " R"]:
+    """The forward's rows that verify the second chain: the root, then its own rows."""
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), main_width + 1 + jnp.arange(second_width, dtype=jnp.int32)])
+
+
+def second_chain_fits(lengths: Int[Array, " B"], main_width: int, second_width: int, capacity: int,
+                      key_block: int = KEY_BLOCK) -> Bool[Array, " B"]:
+    """Where the second chain can be verified exactly: its rows lie inside the cache and, for a
+    cache read in several key blocks, in the key block of their natural rows."""
+    a = chain_offset(main_width, second_width)
+    last = lengths + a + second_width  # the second chain's last slot
+    fits = last < capacity
+    if capacity > key_block:
+        fits = fits & ((lengths + 1) // key_block == last // key_block)
+    return fits
+
+
+def move_second_chain(cache: KVCache, lengths: Int[Array, " B"], main_width: int, second_width: int,
+                      count: Int[Array, " B"]) -> KVCache:
+    """Every layer's K/V of the second chain's first `count` rows moved to n+1 .. n+count."""
+    a = chain_offset(main_width, second_width)
+    j = jnp.arange(second_width)[None, :]
+    src = lengths[:, None] + a + 1 + j  # [B, W]
+    dst = jnp.where(j < count[:, None], lengths[:, None] + 1 + j, cache.capacity)  # past the end: dropped
+    b = jnp.arange(lengths.shape[0])[:, None]
+
+    def move(x):
+        if x is None:
+            return None
+        rows = x[b, :, src]  # [B, W, KVH, D]: advanced indices split by a slice come first
+        return x.at[b, :, dst].set(rows, mode="drop")
+
+    layers = tuple(LayerKV(*(move(x) for x in layer)) for layer in cache.layers)
+    return cache._replace(layers=layers)
