@@ -16,16 +16,16 @@ is already where plain decoding puts it, and where the second chain wins its acc
 K/V move down by A (`move_second_chain`, m <= K rows per layer). Rows above the new length
 are dead as always.
 
-Why A is a multiple of 16 rather than wm + 1: the softmax sum over a key block is a
-vectorized reduction whose lanes follow the key's row index. A key moved by A lands in a
-different lane unless A is a multiple of the lane count, and then the sum, and the row's
-logits, can differ in the last bit from the same row in a plain decode step (measured: 1 in
-40 rows differed at odd offsets, none at multiples of 8). With A a multiple of 16 and the
-row's keys within the key block of their natural rows, the second chain's rows are bitwise
-the rows plain decoding computes (tests/test_kernels_cache_attention.py,
-tests/test_ngram.py), so greedy output stays plain decoding's. A sequence whose second
-chain would cross a key block or the cache capacity verifies its main chain alone that
-round.
+Exactness: the second chain's rows must get bitwise the logits plain decoding computes for
+the same tokens, though their keys lie A rows further on. The attention reference sums each
+row's softmax weights by a matrix product (`kernels_pallas.cache_attention._attend`): a
+vectorized sum over the key block groups keys by row index and gave the moved rows a
+different last bit (1 row in 300-1000); the product did not, at any offset tried. A is
+also kept a multiple of 16, so a key keeps its place in any lane grouping up to 16 wide, and
+a sequence whose second chain would leave the key block of its natural rows (or the cache)
+verifies its main chain alone that round. tests/test_kernels_cache_attention.py and
+tests/test_ngram.py check the rows bitwise; tests/test_row_invariance.py greedy identity
+with the shipped head in bf16.
 """
 
 from __future__ import annotations
