@@ -255,3 +255,21 @@ def test_offline_exactness_checks_vllm_against_vllm_plain():
     assert sorted((m["method"], m["reference"], m["first_diff"]) for m in mismatches) == [
         ("vllm-eagle3", "vllm-none@B=1", 3), ("vllm-none", "none@B=1", 2)]
     assert not [m for m in mismatches if not offline._is_peer(m["method"])]
+
+
+def test_decode_roofline_tiny(tmp_path):
+    from benchmarks import common, decode_roofline
+
+    out = tmp_path / "dr"
+    s = decode_roofline.main(["--target", "tiny", "--rows", "1", "4", "--context", "8", "--repeats", "2",
+                              "--out", str(out)])
+    assert (out / "decode_roofline.md").stat().st_size > 0
+    assert [r["rows"] for r in s["rows"]] == [1, 4]
+    # the weight read covers the 7 Linear kernels of each of the 2 layers and the lm_head
+    tiny = common.tiny_target(256, layers=2, dtype="bfloat16")
+    mats = decode_roofline.weight_matrices(tiny) + [tiny.lm_head_weight()]
+    assert len(mats) == 2 * 7 + 1
+    assert s["weight_bytes"] == sum(int(m.size) * m.dtype.itemsize for m in mats)
+    for r in s["rows"]:
+        assert _finite_positive(r["forward_ms"]) and _finite_positive(r["matmuls_ms"])
+    assert _finite_positive(s["weight_read_ms"])
