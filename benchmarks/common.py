@@ -196,6 +196,24 @@ def peer_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
 
 
+def median_ms(fn, *args, repeats: int, warmup: int = 1) -> float:
+    """Median wall milliseconds of `fn(*args)` over `repeats` calls, each waited on, after
+    `warmup` untimed calls (the first compiles)."""
+    import time
+
+    import jax
+    import numpy as np
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return 1000 * float(np.median(times))
+
+
 def write_json(path: Path, obj: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")

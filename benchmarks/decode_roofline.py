@@ -16,11 +16,8 @@ the weights from memory. This times, at the same R rows and on the model's own w
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from benchmarks import common, forward_rows
 
@@ -40,7 +37,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def weight_matrices(target) -> list[Any]:
-    """The target's matmul weights [in, out] in the order a forward reads them, lm_head last."""
+    """The target's Linear kernels [in, out] in the order a forward reads them (the lm_head is
+    `target.lm_head_weight()`, kept apart: tied to the embedding, it is read transposed)."""
     mats = []
     for layer in target.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -48,18 +46,6 @@ def weight_matrices(target) -> list[Any]:
         mats += [p.kernel[...] for p in (getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
                  if p is not None and hasattr(p, "kernel")]
     return mats
-
-
-def median_ms(fn, *args, repeats: int) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*args))  # compile
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return 1000 * float(np.median(times))
 
 
 def time_matmuls(target, rows: int, repeats: int) -> float:
@@ -82,7 +68,7 @@ def time_matmuls(target, rows: int, repeats: int) -> float:
 
     fn = jax.jit(chain, compiler_options=STEP_COMPILER_OPTIONS)
     x0 = jnp.ones((1, rows, mats[0].shape[0]), mats[0].dtype) * 0.01
-    return median_ms(fn, x0, mats, head, repeats=repeats)
+    return common.median_ms(fn, x0, mats, head, repeats=repeats)
 
 
 def time_weight_read(target, repeats: int) -> tuple[float, int]:
@@ -92,7 +78,7 @@ def time_weight_read(target, repeats: int) -> tuple[float, int]:
 
     mats = weight_matrices(target) + [target.lm_head_weight()]
     fn = jax.jit(lambda ms: sum(jnp.sum(m.astype(jnp.float32)) for m in ms))
-    return median_ms(fn, mats, repeats=repeats), sum(int(m.size) * m.dtype.itemsize for m in mats)
+    return common.median_ms(fn, mats, repeats=repeats), sum(int(m.size) * m.dtype.itemsize for m in mats)
 
 
 def run(args) -> dict[str, Any]:

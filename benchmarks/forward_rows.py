@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import itertools
-import time
 from pathlib import Path
 from typing import Any
 
@@ -77,12 +76,7 @@ def time_forwards(target, rows: list[int], context: int, repeats: int, *, fusion
             positions = jnp.asarray(context + np.arange(r))[None]
             out = jax.block_until_ready(fwd(state, tokens, positions, cache))  # compile
             logits[r] = np.asarray(out[0][0, 0])
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                jax.block_until_ready(fwd(state, tokens, positions, cache))
-                times.append(time.perf_counter() - t0)
-            ms[r] = 1000 * float(np.median(times))
+            ms[r] = common.median_ms(fwd, state, tokens, positions, cache, repeats=repeats, warmup=0)
         return ms, logits
     finally:
         attention.ROWWISE_MAX_ROWS = saved
