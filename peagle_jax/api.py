@@ -108,12 +108,14 @@ class LoadedModel:
         """Another draft head for this target, with the same dtype, kernel options and mesh
         (benchmarks comparing heads load the target once)."""
         from peagle_jax.checkpoints.drafter_io import load_drafter
-        from peagle_jax.models.options import configure_inference
+        from peagle_jax.models.options import choose_matmul, configure_inference
         from peagle_jax.sharding import shard_module
 
         head = load_drafter(spec, target=self.target, dtype=self.options.get("dtype", "bfloat16"))
         configure_inference(head, attention=self.options.get("attention"),
                             kv_cache_dtype=self.options.get("kv_cache_dtype"))
+        if self.options.get("matmul") == "cpu_kernel":
+            choose_matmul(head, "auto")
         return shard_module(head, self.mesh)
 
     def place_on(self, mesh) -> LoadedModel:
@@ -155,6 +157,7 @@ def load(
     attention: str | None = None,
     kv_cache_dtype: str | None = None,
     fp8_weights: bool = False,
+    matmul: str = "auto",
     served_model_name: str | None = None,
     prompt_lookup_min: int = 2,
     prompt_lookup_max: int = 4,
@@ -172,6 +175,9 @@ def load(
     mesh: e.g. "model=4" or "data=2,model=4" (None: one device). A multi-host job is joined
       first when the launcher's variables say so (`sharding.maybe_initialize_distributed`).
     attention / kv_cache_dtype / fp8_weights: see `models.options`.
+    matmul: "auto" | "xla" | "cpu_kernel" (MATMULS). "auto" sends the decode-sized matmuls of a
+      bf16, unsharded, non-FP8 model on CPU (target and head) through the row-invariant AVX2
+      kernel `kernels_cpu` (built on first use), else XLA's; `options["matmul"]` says which ran.
     prompt_lookup_min / prompt_lookup_max: the n-gram sizes the "ngram" methods match (vLLM's names).
     head_draft_tokens: in an "X+ngram" method, the drafts the head proposes where the lookup has
       no match (None: K, as many as a match); fewer verify rows when the head is right mostly
@@ -184,11 +190,15 @@ def load(
     from peagle_jax.checkpoints import load_target
     from peagle_jax.checkpoints.default_model import DEFAULT_MODEL_NAME, resolve_model_path
     from peagle_jax.checkpoints.tokenizer import eos_token_ids, load_tokenizer
-    from peagle_jax.models.options import configure_inference, quantize_weights_fp8
+    from peagle_jax.models.options import MATMULS, choose_matmul, configure_inference, quantize_weights_fp8
     from peagle_jax.sharding import make_mesh, maybe_initialize_distributed
 
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    if matmul not in MATMULS:
+        raise ValueError(f"matmul must be one of {MATMULS}, got {matmul!r}")
+    if matmul == "cpu_kernel" and mesh is not None:
+        raise ValueError("matmul='cpu_kernel' serves one unsharded CPU device; drop mesh or use matmul='auto'")
     head_spec = resolve_drafter(model, drafter, method)
     if "ngram" in method and not 1 <= prompt_lookup_min <= prompt_lookup_max:
         raise ValueError("prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
@@ -210,11 +220,13 @@ def load(
     if fp8_weights:
         quantize_weights_fp8(target)
     configure_inference(target, attention=attention, kv_cache_dtype=kv_cache_dtype)
+    matmul_path = "xla" if device_mesh is not None else choose_matmul(target, matmul)
     name = served_model_name or (DEFAULT_MODEL_NAME if is_default_model(model)
                                  else model_path.stem if model_path.is_file() else model_path.name)
     llm = LoadedModel(target=target, tokenizer=tokenizer, eos_ids=eos_token_ids(tokenizer, model_path),
                       drafter=None, method="none", model_path=model_path, model_name=name, drafter_path=head_spec,
-                      options=dict(dtype=dtype, attention=attention, kv_cache_dtype=kv_cache_dtype))
+                      options=dict(dtype=dtype, attention=attention, kv_cache_dtype=kv_cache_dtype,
+                                   matmul=matmul_path))
     llm.place_on(device_mesh)
     if method == "ngram":
         from peagle_jax.drafters.ngram import NgramProposer

@@ -20,7 +20,7 @@ from jaxtyping import Array, Float, Int
 from peagle_jax.cache import KVCache, shard_cache
 from peagle_jax.drafters.config import DrafterConfig
 from peagle_jax.drafters.drafting import DraftSettings, Pending, Proposal, draft_parallel, draft_sequential
-from peagle_jax.models.layers import MLP, Attention, Linear, RMSNorm, matmul
+from peagle_jax.models.layers import MLP, Attention, Linear, RMSNorm, packed_matmul
 
 
 class VocabMap(nnx.Variable):
@@ -85,6 +85,7 @@ class Eagle3Drafter(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = nnx.Param(
             0.02 * jax.random.normal(rngs.params(), (cfg.hidden_size, cfg.draft_vocab_size), dtype))
+        self.lm_head_packed = nnx.data(None)  # PackedKernel for kernels_cpu (models.options)
         self.d2t = VocabMap(jnp.zeros((cfg.draft_vocab_size,), jnp.int32))
         # Placeholder feature for parallel-drafting slots, in the pre-fc (3 * H_t) space.
         self.mask_hidden = (
@@ -134,8 +135,11 @@ class Eagle3Drafter(nnx.Module):
     def to_target_ids(self, draft_ids: Int[Array, "..."]) -> Int[Array, "..."]:
         return draft_ids + jnp.take(self.d2t[...], draft_ids)
 
+    def lm_head_weight(self) -> Float[Array, "H Vd"]:
+        return self.lm_head[...]
+
     def logits_from_prenorm(self, prenorm: Float[Array, "... H"]) -> Float[Array, "... Vd"]:
-        return matmul(self.norm(prenorm), self.lm_head[...], out_dtype=jnp.float32)
+        return packed_matmul(self.norm(prenorm), self.lm_head_packed, self.lm_head[...], out_dtype=jnp.float32)
 
     def __call__(
         self,

@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cache-attention implementation (Pallas kernels on GPU; default: XLA reference)")
     p.add_argument("--kv-cache-dtype", choices=("float32", "bfloat16", "float8_e4m3fn"), default=None)
     p.add_argument("--fp8-weights", action="store_true", help="store target linear weights in FP8 (e4m3)")
+    p.add_argument("--matmul", choices=("auto", "xla", "cpu_kernel"), default="auto",
+                   help="decode-sized matmuls: 'auto' uses the AVX2 kernel (kernels_cpu) for bf16 on one CPU")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the warm-up call (then tokens/s includes compilation)")
     return p
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         llm = load(args.model, drafter=args.drafter or "auto", method=args.method or "auto", dtype=args.dtype,
                    mesh=args.mesh, attention=args.attention, kv_cache_dtype=args.kv_cache_dtype,
-                   fp8_weights=args.fp8_weights, prompt_lookup_min=args.prompt_lookup_min,
+                   fp8_weights=args.fp8_weights, matmul=args.matmul, prompt_lookup_min=args.prompt_lookup_min,
                    prompt_lookup_max=args.prompt_lookup_max, head_draft_tokens=args.head_draft_tokens,
                    two_chains=args.two_chains)
     except (FileNotFoundError, ValueError) as e:

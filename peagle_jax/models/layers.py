@@ -46,6 +46,30 @@ def matmul(x: Float[Array, "... I"], w: Float[Array, "I O"], *, out_dtype=None) 
     return y.reshape(lead + (w.shape[-1],))
 
 
+class PackedKernel(nnx.Variable):
+    """A weight packed tile-major for `kernels_cpu.matmul` (an inference copy of a kernel; not trained)."""
+
+
+KERNEL_MAX_ROWS = 32
+"""Rows per sequence that go to `kernels_cpu.matmul`: decode steps, verifies and draft passes.
+
+Longer calls (prompt prefill) stay on XLA, whose large matrix multiply is faster there. Plain
+and speculative decoding prefill a prompt through the same calls, so this split never makes
+one method's tokens differ from the other's."""
+
+
+def packed_matmul(x: Float[Array, "... I"], packed: PackedKernel | None, w: Float[Array, "I O"], *,
+                  out_dtype=None) -> Float[Array, "... O"]:
+    """x @ w through the row-invariant CPU custom call when `packed` holds `kernels_cpu.pack(w)`
+    and the call is decode-sized (`KERNEL_MAX_ROWS`), else through `matmul`."""
+    rows_per_sequence = x.shape[-2] if x.ndim >= 2 else 1
+    if packed is None or rows_per_sequence > KERNEL_MAX_ROWS:
+        return matmul(x, w, out_dtype=out_dtype)
+    import kernels_cpu
+
+    return kernels_cpu.matmul(x, packed[...]).astype(out_dtype or jnp.result_type(x.dtype, w.dtype))
+
+
 class Linear(nnx.Module):
     """y = x @ W (+ b), W stored [in, out] (the transpose of torch's [out, in])."""
 
@@ -53,12 +77,13 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(std * jax.random.normal(rngs.params(), (d_in, d_out), dtype))
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
         self.kernel_scale = nnx.data(None)  # per-output-channel scale of an FP8 kernel (models.options)
+        self.kernel_packed = nnx.data(None)  # PackedKernel for kernels_cpu (models.options)
 
     def __call__(self, x: Float[Array, "... I"]) -> Float[Array, "... O"]:
         if self.kernel_scale is not None:  # FP8 weights: dequantize after the matmul (per column)
             y = matmul(x, self.kernel[...].astype(x.dtype)) * self.kernel_scale[...].astype(x.dtype)
         else:
-            y = matmul(x, self.kernel[...])
+            y = packed_matmul(x, self.kernel_packed, self.kernel[...])
         if self.bias is not None:
             y = y + self.bias[...]
         return y

@@ -1,10 +1,12 @@
-"""Inference options applied to a loaded model or drafter: attention kernels, FP8 KV cache, FP8 weights.
+"""Inference options applied to a loaded model or drafter: attention kernels, FP8 KV cache, FP8
+weights, and the CPU matmul kernel.
 
 They are module attributes (static, part of the graph definition), so switching them
 recompiles once and never at run time:
 
   configure_inference(model, attention="auto", kv_cache_dtype="float8_e4m3fn")
   quantize_weights_fp8(model)   # e4m3 linear weights with per-output-channel scales
+  choose_matmul(model, "auto")  # bf16 on CPU: decode-sized matmuls through kernels_cpu
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kernels_pallas import IMPLEMENTATIONS
-from peagle_jax.models.layers import Attention, Linear, MoE
+from peagle_jax.models.layers import Attention, Linear, MoE, PackedKernel
 
 KV_CACHE_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
 
@@ -67,3 +69,65 @@ def quantize_weights_fp8(module: nnx.Module, *, skip: tuple[str, ...] = ()) -> n
         node.kernel.value = jnp.clip(w / scale, -448.0, 448.0).astype(jnp.float8_e4m3fn)
         node.kernel_scale = FP8Scale(scale)
     return module
+
+
+MATMULS = ("auto", "xla", "cpu_kernel")
+
+
+def cpu_kernel_blocker(module: nnx.Module) -> str | None:
+    """Why `pack_cpu_matmuls` cannot serve this module (None: it can)."""
+    import jax
+
+    import kernels_cpu
+
+    if jax.default_backend() != "cpu":
+        return f"the backend is {jax.default_backend()}, not cpu"
+    if getattr(module, "mesh", None) is not None:
+        return "the module is sharded over a mesh"
+    linears = [n for _, n in nnx.iter_graph(module) if isinstance(n, Linear)]
+    if any(n.kernel_scale is not None for n in linears):
+        return "the weights are FP8"
+    if any(n.kernel[...].dtype != jnp.bfloat16 for n in linears):
+        return "the weights are not bfloat16"
+    return kernels_cpu.unavailable_reason()
+
+
+def pack_cpu_matmuls(module: nnx.Module) -> nnx.Module:
+    """Route the decode-sized matmuls of a bf16 model or drafter (every Linear and the lm_head)
+    through `kernels_cpu.matmul`, the row-invariant CPU custom call, by giving each a packed
+    copy of its weight (in place; one more copy of the weights in memory). Inference only:
+    the custom call has no gradient. Raises ValueError naming the reason where it cannot run
+    (`cpu_kernel_blocker`)."""
+    import kernels_cpu
+
+    reason = cpu_kernel_blocker(module)
+    if reason is not None:
+        raise ValueError(f"the CPU matmul kernel cannot serve this model: {reason}")
+    for _, node in nnx.iter_graph(module):
+        if isinstance(node, Linear) and node.kernel.shape[1] % kernels_cpu.TILE == 0:
+            node.kernel_packed = PackedKernel(kernels_cpu.pack(node.kernel[...]))
+    if hasattr(module, "lm_head_packed"):
+        head = module.lm_head_weight()
+        if head.shape[1] % kernels_cpu.TILE == 0:
+            module.lm_head_packed = PackedKernel(kernels_cpu.pack(head))
+    return module
+
+
+def choose_matmul(module: nnx.Module, matmul: str) -> str:
+    """Apply a `load(matmul=...)` choice: "auto" packs for the CPU kernel where it can run (and
+    says why not in the log where it cannot), "cpu_kernel" requires it, "xla" never uses it.
+    Returns the path taken: "cpu_kernel" or "xla"."""
+    import logging
+
+    if matmul not in MATMULS:
+        raise ValueError(f"unknown matmul {matmul!r}; known: {MATMULS}")
+    if matmul == "xla":
+        return "xla"
+    reason = cpu_kernel_blocker(module)
+    if reason is None:
+        pack_cpu_matmuls(module)
+        return "cpu_kernel"
+    if matmul == "cpu_kernel":
+        raise ValueError(f"matmul='cpu_kernel' cannot serve this model: {reason}")
+    logging.getLogger(__name__).info("matmuls on XLA: %s", reason)
+    return "xla"

@@ -16,7 +16,7 @@ from jaxtyping import Array, Float, Int
 
 from peagle_jax.cache import KVCache, shard_cache
 from peagle_jax.models.config import ModelConfig
-from peagle_jax.models.layers import MLP, Attention, MoE, RMSNorm, matmul
+from peagle_jax.models.layers import MLP, Attention, MoE, RMSNorm, packed_matmul
 
 
 class ForwardOutput(NamedTuple):
@@ -60,6 +60,7 @@ class CausalLM(nnx.Module):
         self.config = cfg
         self.mesh = None  # set by peagle_jax.sharding.shard_module
         self.kv_cache_dtype: str | None = None  # None = the parameter dtype (models.options)
+        self.lm_head_packed = nnx.data(None)  # PackedKernel for kernels_cpu (models.options)
         dtype = jnp.dtype(cfg.dtype)
         self.embed_tokens = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
         self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)])
@@ -82,7 +83,7 @@ class CausalLM(nnx.Module):
         return self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
 
     def logits(self, hidden: Float[Array, "... D"]) -> Float[Array, "... V"]:
-        return matmul(hidden, self.lm_head_weight(), out_dtype=jnp.float32)
+        return packed_matmul(hidden, self.lm_head_packed, self.lm_head_weight(), out_dtype=jnp.float32)
 
     def __call__(
         self,

@@ -39,8 +39,9 @@ def load_models(config: ServeConfig) -> LoadedModel:
     llm = load(config.model, drafter=config.drafter or "auto", method=config.method, dtype=config.dtype,
                mesh={"data": mesh.data, "model": mesh.model} if mesh.size > 1 else None,
                attention=config.attention, kv_cache_dtype=config.kv_cache_dtype, fp8_weights=config.fp8_weights,
-               served_model_name=config.served_model_name, prompt_lookup_min=config.prompt_lookup_min,
-               prompt_lookup_max=config.prompt_lookup_max, head_draft_tokens=config.head_draft_tokens,
+               matmul=config.matmul, served_model_name=config.served_model_name,
+               prompt_lookup_min=config.prompt_lookup_min, prompt_lookup_max=config.prompt_lookup_max,
+               head_draft_tokens=config.head_draft_tokens,
                two_chains=config.two_chains)
     if llm.drafter is None and config.drafter is None and config.method == "auto" and is_default_model(config.model):
         log.warning("no trained P-EAGLE head at %s: serving %s WITHOUT speculative decoding (method none). "

@@ -86,6 +86,8 @@ class ServeConfig(BaseModel):
     kv_cache_dtype: Literal["float32", "bfloat16", "float8_e4m3fn"] | None = Field(
         None, description="KV cache dtype (default: the model dtype)")
     fp8_weights: bool = Field(False, description="store the target's linear weights in FP8 (e4m3)")
+    matmul: Literal["auto", "xla", "cpu_kernel"] = Field(
+        "auto", description="decode-sized matmuls: 'auto' uses the AVX2 kernel (kernels_cpu) for bf16 on one CPU")
     # --- engine
     max_batch_size: int = Field(8, ge=1, le=1024)
     max_model_len: int | None = Field(2048, ge=2, description="prompt + completion tokens; None = the model's context")
@@ -180,6 +182,8 @@ _FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--attention",), dict(choices=("xla", "triton", "mosaic", "auto"), help="cache-attention implementation")),
     (("--kv-cache-dtype",), dict(choices=("float32", "bfloat16", "float8_e4m3fn"))),
     (("--fp8-weights",), dict(action="store_const", const=True, help="FP8 (e4m3) target linear weights")),
+    (("--matmul",), dict(choices=("auto", "xla", "cpu_kernel"), help="decode-sized matmuls (default auto: the "
+                                                                     "AVX2 kernel for bf16 on one CPU)")),
     (("--max-batch-size",), dict(type=int, help="concurrent sequences (batch slots)")),
     (("--max-model-len",), dict(type=int, help="prompt + completion tokens per request")),
     (("--max-queue-size",), dict(type=int, help="waiting requests before answering 429")),

@@ -1,0 +1,136 @@
+"""The row-invariant CPU matmul kernel (kernels_cpu) and its wiring (models.options.choose_matmul).
+
+The kernel must (1) compute x @ w to float32 accuracy, (2) give every row the same bits
+whatever the number of rows in the call, which is what keeps speculative decoding exact, and
+(3) leave a model's greedy tokens those of plain decoding when it serves target and head.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import kernels_cpu
+from peagle_jax.drafters import DrafterConfig, create_drafter
+from peagle_jax.generate import speculative_generate
+from peagle_jax.models import ModelConfig, create_model
+from peagle_jax.models.layers import KERNEL_MAX_ROWS, Linear, PackedKernel, matmul, packed_matmul
+from peagle_jax.models.options import choose_matmul, cpu_kernel_blocker, pack_cpu_matmuls
+
+needs_kernel = pytest.mark.skipif(not kernels_cpu.available(),
+                                  reason=f"kernels_cpu unavailable: {kernels_cpu.unavailable_reason()}")
+
+
+def _bf16(rng, shape, scale=1.0):
+    return jnp.asarray(rng.standard_normal(shape) * scale, jnp.bfloat16)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 17])
+@pytest.mark.parametrize(("d_in", "d_out"), [(64, 32), (576, 192), (96, 1024)])
+def test_matmul_matches_float64_reference(rows, d_in, d_out):
+    rng = np.random.default_rng(rows * d_out)
+    x, w = _bf16(rng, (rows, d_in)), _bf16(rng, (d_in, d_out), d_in ** -0.5)
+    got = np.asarray(jax.jit(kernels_cpu.matmul)(x, kernels_cpu.pack(w)))
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    assert got.dtype == np.float32 and got.shape == (rows, d_out)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+@needs_kernel
+def test_rows_are_bitwise_invariant_to_row_count():
+    """Row r's bits do not depend on the rows beside it: 1 row alone, or among 2-33 others."""
+    rng = np.random.default_rng(0)
+    x, w = _bf16(rng, (33, 576)), kernels_cpu.pack(_bf16(rng, (576, 1536), 0.04))
+    call = jax.jit(kernels_cpu.matmul)
+    full = np.asarray(call(x, w))
+    for rows in (1, 2, 3, 4, 5, 8, 16, 32):
+        part = np.asarray(call(x[:rows], w))
+        assert np.array_equal(part, full[:rows]), f"rows of a {rows}-row call differ from a 33-row call"
+    # Leading axes are rows too ([B, T, I], as in a batched verify).
+    assert np.array_equal(np.asarray(call(x[:32].reshape(4, 8, 576), w)).reshape(32, -1), full[:32])
+
+
+def test_pack_layout_and_bad_width():
+    w = jnp.arange(4 * 64, dtype=jnp.float32).reshape(4, 64)
+    packed = kernels_cpu.pack(w)
+    assert packed.shape == (2, 4, 32) and packed.dtype == jnp.bfloat16
+    assert np.array_equal(np.asarray(packed[1, 2], np.float32), np.asarray(w[2, 32:64]))
+    with pytest.raises(ValueError, match="not a multiple of 32"):
+        kernels_cpu.pack(jnp.zeros((4, 48), jnp.bfloat16))
+
+
+@needs_kernel
+def test_long_calls_stay_on_xla():
+    """Prefill-sized calls (more than KERNEL_MAX_ROWS rows per sequence) go through `matmul`."""
+    rng = np.random.default_rng(1)
+    w = _bf16(rng, (64, 64), 0.1)
+    packed = PackedKernel(kernels_cpu.pack(w))
+    long_x = _bf16(rng, (1, KERNEL_MAX_ROWS + 1, 64))
+    assert np.array_equal(np.asarray(packed_matmul(long_x, packed, w)), np.asarray(matmul(long_x, w)))
+    short_x = long_x[:, :KERNEL_MAX_ROWS]
+    got = packed_matmul(short_x, packed, w)
+    assert got.dtype == jnp.bfloat16
+    assert np.array_equal(np.asarray(got), np.asarray(kernels_cpu.matmul(short_x, packed[...]).astype(jnp.bfloat16)))
+
+
+def _pair(dtype="bfloat16"):
+    cfg = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=96,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, dtype=dtype)
+    target = create_model(cfg, 3)
+    drafter = create_drafter(
+        DrafterConfig.for_target(cfg, num_layers=1, parallel_drafting=True, mask_token_id=127), 4)
+    return target, drafter
+
+
+def _packed_count(module):
+    return sum(1 for _, v in nnx.iter_graph(module) if isinstance(v, PackedKernel))
+
+
+def test_choose_matmul_paths_and_errors():
+    target, _ = _pair("float32")
+    assert cpu_kernel_blocker(target) == "the weights are not bfloat16"
+    assert choose_matmul(target, "auto") == "xla" and _packed_count(target) == 0
+    with pytest.raises(ValueError, match="not bfloat16"):
+        choose_matmul(target, "cpu_kernel")
+    with pytest.raises(ValueError, match="unknown matmul"):
+        choose_matmul(target, "fast")
+    bf16, _ = _pair()
+    assert choose_matmul(bf16, "xla") == "xla" and _packed_count(bf16) == 0
+
+
+@needs_kernel
+def test_packed_model_and_head_decode_like_plain():
+    """Target and head both on the kernel: every Linear and both lm_heads packed; greedy
+    speculative tokens equal plain greedy tokens of the same packed model, and the packed
+    model's logits stay within bf16 rounding of XLA's."""
+    target, drafter = _pair()
+    tokens = jnp.asarray([[5, 9, 17, 33, 2, 8]])
+    positions = jnp.arange(6)[None]
+    ref = target(tokens, positions, target.init_cache(1, 32)).logits
+    assert choose_matmul(target, "auto") == "cpu_kernel"
+    pack_cpu_matmuls(drafter)
+    linears = sum(1 for _, v in nnx.iter_graph(target) if isinstance(v, Linear))
+    assert _packed_count(target) == linears + 1  # + the tied lm_head
+    assert drafter.lm_head_packed is not None
+    got = target(tokens, positions, target.init_cache(1, 32)).logits
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=0.05 * float(jnp.abs(ref).max()))
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18]]
+    plain = speculative_generate(target, None, prompts, method="none", max_new_tokens=12)
+    for method in ("peagle", "eagle3"):
+        for k in (1, 3, 7):
+            spec = speculative_generate(target, drafter, prompts, method=method, num_draft_tokens=k,
+                                        max_new_tokens=12)
+            assert spec.tokens == plain.tokens, (method, k)
+
+
+def test_load_rejects_bad_matmul_settings():
+    from peagle_jax.api import load
+
+    with pytest.raises(ValueError, match="matmul must be one of"):
+        load(method="none", matmul="fast")
+    with pytest.raises(ValueError, match="drop mesh"):
+        load(method="none", matmul="cpu_kernel", mesh="model=1")
