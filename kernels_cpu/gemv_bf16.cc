@@ -21,17 +21,14 @@ static inline __m256 load8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
 }
 
-// Weights as stored (bf16, widened on the fly) or a tile chunk already widened to float32.
-static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-
-// acc[0..3] (row x0) and acc[4..7] (row x1, if kTwo) += x[i] * w[i, 0:32] for i in [0, n), in
-// order, one FMA per element and step: the same sequence for every row whatever its block.
-template <bool kTwo, typename T>
-static inline void accumulate(const float* x0, const float* x1, const T* w, int64_t n, __m256* acc) {
-  __m256 a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3];
-  __m256 b0 = acc[4], b1 = acc[5], b2 = acc[6], b3 = acc[7];
-  for (int64_t i = 0; i < n; ++i) {
-    const T* wi = w + i * kTile;
+// One or two rows x a whole 32-column tile: acc a (row x0) and b (row x1, if kTwo) += x[i] *
+// w[i, 0:32] for i in order, one FMA per element and step. The weights are read once and
+// widened in registers: with this few rows the call is bound by memory.
+template <bool kTwo>
+static void pair_tile(const float* x0, const float* x1, const uint16_t* w, int64_t I, float* y0, float* y1) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+  for (int64_t i = 0; i < I; ++i) {
+    const uint16_t* wi = w + i * kTile;
     const __m256 w0 = load8(wi), w1 = load8(wi + 8), w2 = load8(wi + 16), w3 = load8(wi + 24);
     const __m256 s = _mm256_broadcast_ss(x0 + i);
     a0 = _mm256_fmadd_ps(s, w0, a0); a1 = _mm256_fmadd_ps(s, w1, a1);
@@ -42,50 +39,60 @@ static inline void accumulate(const float* x0, const float* x1, const T* w, int6
       b2 = _mm256_fmadd_ps(u, w2, b2); b3 = _mm256_fmadd_ps(u, w3, b3);
     }
   }
-  acc[0] = a0; acc[1] = a1; acc[2] = a2; acc[3] = a3;
-  acc[4] = b0; acc[5] = b1; acc[6] = b2; acc[7] = b3;
-}
-
-// Rows [0, M) over one weight span of n inputs starting at input i0: accumulators start at
-// zero (i0 == 0) or at the partial sums in y, and go back to y (float32 stores are exact).
-template <typename T>
-static void rows_over_span(int64_t M, int64_t I, int64_t O, const float* x, const T* w, int64_t i0,
-                           int64_t n, int64_t col, float* y) {
-  for (int64_t r = 0; r < M; r += 2) {
-    const bool two = r + 1 < M;
-    float* y0 = y + r * O + col;
-    float* y1 = y0 + O;
-    __m256 acc[8];
-    for (int k = 0; k < 4; ++k) {
-      acc[k] = i0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(y0 + 8 * k);
-      acc[4 + k] = (i0 == 0 || !two) ? _mm256_setzero_ps() : _mm256_loadu_ps(y1 + 8 * k);
-    }
-    const float* x0 = x + r * I + i0;
-    if (two) accumulate<true>(x0, x0 + I, w, n, acc);
-    else accumulate<false>(x0, x0, w, n, acc);
-    for (int k = 0; k < 4; ++k) {
-      _mm256_storeu_ps(y0 + 8 * k, acc[k]);
-      if (two) _mm256_storeu_ps(y1 + 8 * k, acc[4 + k]);
-    }
+  _mm256_storeu_ps(y0, a0); _mm256_storeu_ps(y0 + 8, a1); _mm256_storeu_ps(y0 + 16, a2); _mm256_storeu_ps(y0 + 24, a3);
+  if (kTwo) {
+    _mm256_storeu_ps(y1, b0); _mm256_storeu_ps(y1 + 8, b1); _mm256_storeu_ps(y1 + 16, b2); _mm256_storeu_ps(y1 + 24, b3);
   }
 }
 
-constexpr int64_t kChunk = 128;  // inputs of a tile widened at a time: 16 KiB of float32, in L1
+// R rows x half a tile (16 columns), the same FMA sequence per element. Two widened weight
+// vectors serve all R rows, so with 3+ rows the call is bound by FMAs, not by widening
+// (2R + 3 registers: R <= 6).
+template <int R>
+static void rows_half_tile(const float* x, int64_t I, const uint16_t* w, float* y, int64_t O) {
+  __m256 a[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < I; ++i) {
+    const __m256 w0 = load8(w + i * kTile), w1 = load8(w + i * kTile + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 s = _mm256_broadcast_ss(x + r * I + i);
+      a[r][0] = _mm256_fmadd_ps(s, w0, a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(s, w1, a[r][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) { _mm256_storeu_ps(y + r * O, a[r][0]); _mm256_storeu_ps(y + r * O + 8, a[r][1]); }
+}
 
-// Tiles [t0, t1) of one call. One or two rows stream the bf16 weights once, widening them in
-// registers (the call is bound by memory). More rows widen each chunk of a tile to float32
-// once and reuse it from L1 for every pair of rows (the call is bound by arithmetic, and
-// widening per row pair would double it). Both give each element the same FMA sequence.
+constexpr int64_t kMaxBlockRows = 6;
+
+static void rows_half_tile(int64_t R, const float* x, int64_t I, const uint16_t* w, float* y, int64_t O) {
+  switch (R) {
+    case 1: return rows_half_tile<1>(x, I, w, y, O);
+    case 2: return rows_half_tile<2>(x, I, w, y, O);
+    case 3: return rows_half_tile<3>(x, I, w, y, O);
+    case 4: return rows_half_tile<4>(x, I, w, y, O);
+    case 5: return rows_half_tile<5>(x, I, w, y, O);
+    default: return rows_half_tile<6>(x, I, w, y, O);
+  }
+}
+
+// Tiles [t0, t1) of one call. Up to two rows: one pass over each tile. More: blocks of at
+// most six rows (split evenly), each over the two halves of the tile (the tile stays in L2).
 static void tiles(int64_t t0, int64_t t1, int64_t M, int64_t I, int64_t O, const float* x,
                   const uint16_t* W, float* y) {
-  alignas(32) float wf[kChunk * kTile];
+  const int64_t blocks = (M + kMaxBlockRows - 1) / kMaxBlockRows;
   for (int64_t t = t0; t < t1; ++t) {
     const uint16_t* w = W + t * I * kTile;
-    if (M <= 2) { rows_over_span(M, I, O, x, w, 0, I, t * kTile, y); continue; }
-    for (int64_t i0 = 0; i0 < I; i0 += kChunk) {
-      const int64_t n = std::min(kChunk, I - i0);
-      for (int64_t j = 0; j < n * kTile; j += 8) _mm256_store_ps(wf + j, load8(w + i0 * kTile + j));
-      rows_over_span(M, I, O, x, wf, i0, n, t * kTile, y);
+    float* yt = y + t * kTile;
+    if (M == 1) { pair_tile<false>(x, x, w, I, yt, yt); continue; }
+    if (M == 2) { pair_tile<true>(x, x + I, w, I, yt, yt + O); continue; }
+    for (int64_t b = 0, r0 = 0; b < blocks; ++b) {
+      const int64_t r1 = (b + 1) * M / blocks;
+      for (int64_t h = 0; h < 2; ++h) rows_half_tile(r1 - r0, x + r0 * I, I, w + 16 * h, yt + r0 * O + 16 * h, O);
+      r0 = r1;
     }
   }
 }
