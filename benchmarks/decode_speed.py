@@ -1,13 +1,15 @@
 """Greedy decode speed: peagle-jax (`speculative_generate(method="none")`) vs HF transformers.
 
 Same SmolLM2-135M-Instruct GGUF weights, batch 1, same chat prompts and token budget. Ours runs
-in each of `--dtypes` (bf16, our default inference dtype, and float32); transformers runs in
-float32 (its CPU default). Methods are interleaved prompt by prompt so all see the same machine
+in each of `--dtypes`: bf16 (the default, with the CPU matmul kernel `kernels_cpu`),
+"bfloat16/xla" (bf16 on XLA's matmuls) and float32; transformers runs in float32 (its CPU
+default). Methods are interleaved prompt by prompt so all see the same machine
 state; compilation is excluded (one warm-up call per shape). The token check compares ours in
 float32 with transformers (same arithmetic); bf16 may part from them at a near-tie. Writes JSON
 + Markdown to results/decode_speed/.
 
-  .venv/bin/python -m benchmarks.decode_speed [--max-new-tokens 128] [--prompts 4] [--dtypes bfloat16 float32]
+  .venv/bin/python -m benchmarks.decode_speed [--max-new-tokens 128] [--prompts 4]
+      [--dtypes bfloat16 bfloat16/xla float32]
 """
 
 from __future__ import annotations
@@ -31,13 +33,16 @@ PROMPTS = [
 ]
 
 
+CONFIGS = ("bfloat16", "bfloat16/xla", "float32")  # dtype[/matmul]; no suffix: load's default ("auto")
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default", help="a .gguf file or an HF directory (default: SmolLM2-135M)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=("bfloat16", "float32"),
-                    help="our inference dtypes, each timed beside transformers (float32)")
+    ap.add_argument("--dtypes", nargs="+", default=list(CONFIGS), choices=CONFIGS,
+                    help="our inference dtypes (dtype[/matmul path]), each timed beside transformers (float32)")
     ap.add_argument("--out", default="results/decode_speed")
     args = ap.parse_args(argv)
 
@@ -47,7 +52,8 @@ def main(argv: list[str] | None = None) -> dict:
     from peagle_jax.api import load
     from peagle_jax.generate import speculative_generate
 
-    ours = {d: load(args.model, method="none", dtype=d) for d in args.dtypes}
+    ours = {d: load(args.model, method="none", dtype=d.split("/")[0], matmul=(d.split("/") + ["auto"])[1])
+            for d in args.dtypes}
     first = next(iter(ours.values()))
     tok, path = first.tokenizer, first.model_path
     hf = load_hf(path)  # the same file (GGUF dequantised to fp32) or directory

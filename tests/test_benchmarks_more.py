@@ -115,10 +115,10 @@ def test_decode_speed_tiny(tiny_dir, tmp_path):
     assert doc == json.loads(json.dumps(s))
     assert doc["max_new_tokens"] == NEW and len(doc["rows"]) == 2
     assert [r["prompt"] for r in doc["rows"]] == decode_speed.PROMPTS[:2]
-    assert set(doc["ours"]) == {"bfloat16", "float32"}
+    assert set(doc["ours"]) == {"bfloat16", "bfloat16/xla", "float32"}
     for r in doc["rows"]:
         assert r["tokens"] == NEW and _finite_positive(r["hf_tok_s"])
-        assert _finite_positive(r["ours_bfloat16_tok_s"]) and _finite_positive(r["ours_float32_tok_s"])
+        assert all(_finite_positive(r[f"ours_{d}_tok_s"]) for d in decode_speed.CONFIGS)
         # same fp32 weights and arithmetic, both greedy and ignoring EOS: the very same tokens
         assert r["ours_float32_identical_to_hf"] is True
     for d, o in doc["ours"].items():
@@ -128,7 +128,8 @@ def test_decode_speed_tiny(tiny_dir, tmp_path):
     md = _md_rows((out / "decode_speed.md").read_text())
     assert len(md) == 3 and md[-1][0] == "**mean**"
     assert f"{doc['ours']['bfloat16']['speedup']:.2f}x" in md[-1][1]
-    assert f"{doc['ours']['float32']['speedup']:.2f}x" in md[-1][2]
+    assert f"{doc['ours']['bfloat16/xla']['speedup']:.2f}x" in md[-1][2]
+    assert f"{doc['ours']['float32']['speedup']:.2f}x" in md[-1][3]
 
 
 # ----------------------------------------------------------------------------- fp8_accuracy.py

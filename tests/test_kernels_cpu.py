@@ -17,7 +17,16 @@ import kernels_cpu
 from peagle_jax.drafters import DrafterConfig, create_drafter
 from peagle_jax.generate import speculative_generate
 from peagle_jax.models import ModelConfig, create_model
-from peagle_jax.models.layers import KERNEL_MAX_ROWS, Linear, PackedKernel, matmul, packed_matmul
+from peagle_jax.models.layers import (
+    KERNEL_MAX_ROWS,
+    MLP,
+    Attention,
+    Linear,
+    PackedKernel,
+    fused_linears,
+    matmul,
+    packed_matmul,
+)
 from peagle_jax.models.options import choose_matmul, cpu_kernel_blocker, pack_cpu_matmuls
 
 needs_kernel = pytest.mark.skipif(not kernels_cpu.available(),
@@ -77,6 +86,24 @@ def test_long_calls_stay_on_xla():
     assert np.array_equal(np.asarray(got), np.asarray(kernels_cpu.matmul(short_x, packed[...]).astype(jnp.bfloat16)))
 
 
+@needs_kernel
+def test_fused_call_gives_each_linear_its_own_bits():
+    """q/k/v (with biases, as in Qwen2) in one call: each output bitwise its own packed call."""
+    rngs = nnx.Rngs(0)
+    linears = tuple(Linear(64, d, bias=True, dtype=jnp.bfloat16, rngs=rngs) for d in (128, 32, 32))
+    for lin in linears:
+        lin.bias.value = _bf16(np.random.default_rng(lin.kernel.shape[1]), (lin.kernel.shape[1],))
+    fused = PackedKernel(jnp.concatenate([kernels_cpu.pack(lin.kernel[...]) for lin in linears], axis=0))
+    x = _bf16(np.random.default_rng(2), (2, 3, 64))
+    separate = [packed_matmul(x, PackedKernel(kernels_cpu.pack(lin.kernel[...])), lin.kernel[...]) + lin.bias[...]
+                for lin in linears]
+    for got, want in zip(fused_linears(x, fused, linears), separate, strict=True):
+        assert np.array_equal(np.asarray(got), np.asarray(want))
+    plain = fused_linears(x, None, linears)  # no packed weights: each Linear on XLA
+    for got, lin in zip(plain, linears, strict=True):
+        assert np.array_equal(np.asarray(got), np.asarray(lin(x)))
+
+
 def _pair(dtype="bfloat16"):
     cfg = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=96,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, dtype=dtype)
@@ -113,9 +140,14 @@ def test_packed_model_and_head_decode_like_plain():
     ref = target(tokens, positions, target.init_cache(1, 32)).logits
     assert choose_matmul(target, "auto") == "cpu_kernel"
     pack_cpu_matmuls(drafter)
-    linears = sum(1 for _, v in nnx.iter_graph(target) if isinstance(v, Linear))
-    assert _packed_count(target) == linears + 1  # + the tied lm_head
-    assert drafter.lm_head_packed is not None
+    for module in (target, drafter):
+        for _, node in nnx.iter_graph(module):
+            if isinstance(node, Attention):
+                assert node.qkv_packed is not None and node.o_proj.kernel_packed is not None
+                assert node.q_proj.kernel_packed is None  # served by the fused call
+            if isinstance(node, MLP):
+                assert node.gate_up_packed is not None and node.down_proj.kernel_packed is not None
+        assert module.lm_head_packed is not None
     got = target(tokens, positions, target.init_cache(1, 32)).logits
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=0.05 * float(jnp.abs(ref).max()))
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18]]

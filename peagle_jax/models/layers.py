@@ -7,6 +7,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
@@ -58,16 +59,36 @@ and speculative decoding prefill a prompt through the same calls, so this split 
 one method's tokens differ from the other's."""
 
 
+def uses_cpu_kernel(x: Float[Array, "... I"], packed: PackedKernel | None) -> bool:
+    """Whether this call goes to `kernels_cpu.matmul`: a packed weight exists and the call is
+    decode-sized (`KERNEL_MAX_ROWS` rows per sequence or fewer). Decided at trace time."""
+    return packed is not None and (x.shape[-2] if x.ndim >= 2 else 1) <= KERNEL_MAX_ROWS
+
+
 def packed_matmul(x: Float[Array, "... I"], packed: PackedKernel | None, w: Float[Array, "I O"], *,
                   out_dtype=None) -> Float[Array, "... O"]:
     """x @ w through the row-invariant CPU custom call when `packed` holds `kernels_cpu.pack(w)`
-    and the call is decode-sized (`KERNEL_MAX_ROWS`), else through `matmul`."""
-    rows_per_sequence = x.shape[-2] if x.ndim >= 2 else 1
-    if packed is None or rows_per_sequence > KERNEL_MAX_ROWS:
+    and the call is decode-sized (`uses_cpu_kernel`), else through `matmul`."""
+    if not uses_cpu_kernel(x, packed):
         return matmul(x, w, out_dtype=out_dtype)
     import kernels_cpu
 
     return kernels_cpu.matmul(x, packed[...]).astype(out_dtype or jnp.result_type(x.dtype, w.dtype))
+
+
+def fused_linears(x: Float[Array, "... I"], packed: PackedKernel | None, linears: tuple[Linear, ...]) -> tuple:
+    """Each of `linears` applied to x. With `packed` (their kernels packed side by side, see
+    `models.options.pack_cpu_matmuls`) and a decode-sized x, one kernel call computes all of
+    them: fewer, larger calls split better over the cores, and since output columns never mix,
+    each output has exactly the bits of that Linear's own kernel call."""
+    if not uses_cpu_kernel(x, packed):
+        return tuple(linear(x) for linear in linears)
+    import kernels_cpu
+
+    y = kernels_cpu.matmul(x, packed[...]).astype(jnp.result_type(x.dtype, linears[0].kernel.dtype))
+    edges = np.cumsum([linear.kernel.shape[1] for linear in linears])[:-1]
+    return tuple(part if linear.bias is None else part + linear.bias[...]
+                 for part, linear in zip(jnp.split(y, edges, axis=-1), linears, strict=True))
 
 
 class Linear(nnx.Module):
@@ -158,6 +179,7 @@ class Attention(nnx.Module):
         self.attn_impl: str | None = None  # kernels_pallas implementation name; None = XLA
         self.attn_interpret = False  # run a Pallas kernel in interpret mode (CPU tests)
         self.mesh = None  # set by peagle_jax.sharding.shard_module: attention runs under shard_map
+        self.qkv_packed = nnx.data(None)  # q/k/v kernels packed side by side for kernels_cpu (models.options)
 
     def project_qkv(
         self, x: Float[Array, "B T Din"], positions: Int[Array, "B T"]
@@ -166,9 +188,10 @@ class Attention(nnx.Module):
         projections and the attention itself, shared by the cached forward here and the
         training objective's document-masked attention (peagle_jax.train.objective)."""
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q, k, v = fused_linears(x, self.qkv_packed, (self.q_proj, self.k_proj, self.v_proj))
+        q = q.reshape(b, t, self.num_heads, self.head_dim)
+        k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # constant-folded
@@ -207,9 +230,11 @@ class MLP(nnx.Module):
         self.gate_proj = Linear(d_model, d_ff, bias=False, dtype=dtype, rngs=rngs)
         self.up_proj = Linear(d_model, d_ff, bias=False, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(d_ff, d_model, bias=False, dtype=dtype, rngs=rngs)
+        self.gate_up_packed = nnx.data(None)  # gate/up kernels packed side by side for kernels_cpu (models.options)
 
     def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = fused_linears(x, self.gate_up_packed, (self.gate_proj, self.up_proj))
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class MoE(nnx.Module):

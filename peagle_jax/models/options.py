@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kernels_pallas import IMPLEMENTATIONS
-from peagle_jax.models.layers import Attention, Linear, MoE, PackedKernel
+from peagle_jax.models.layers import MLP, Attention, Linear, MoE, PackedKernel
 
 KV_CACHE_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
 
@@ -103,9 +103,24 @@ def pack_cpu_matmuls(module: nnx.Module) -> nnx.Module:
     reason = cpu_kernel_blocker(module)
     if reason is not None:
         raise ValueError(f"the CPU matmul kernel cannot serve this model: {reason}")
+
+    def packable(*linears: Linear) -> bool:
+        return all(lin.kernel.shape[1] % kernels_cpu.TILE == 0 for lin in linears)
+
+    def packed(*linears: Linear) -> PackedKernel:  # side by side along the output tiles
+        return PackedKernel(jnp.concatenate([kernels_cpu.pack(lin.kernel[...]) for lin in linears], axis=0))
+
+    grouped: set[int] = set()  # Linears served by a fused call (no packed copy of their own)
     for _, node in nnx.iter_graph(module):
-        if isinstance(node, Linear) and node.kernel.shape[1] % kernels_cpu.TILE == 0:
-            node.kernel_packed = PackedKernel(kernels_cpu.pack(node.kernel[...]))
+        groups = {Attention: ("qkv_packed", ("q_proj", "k_proj", "v_proj")),
+                  MLP: ("gate_up_packed", ("gate_proj", "up_proj"))}
+        for kind, (attr, names) in groups.items():
+            if isinstance(node, kind) and packable(*(linears := tuple(getattr(node, n) for n in names))):
+                setattr(node, attr, packed(*linears))
+                grouped.update(id(lin) for lin in linears)
+    for _, node in nnx.iter_graph(module):
+        if isinstance(node, Linear) and id(node) not in grouped and packable(node):
+            node.kernel_packed = packed(node)
     if hasattr(module, "lm_head_packed"):
         head = module.lm_head_weight()
         if head.shape[1] % kernels_cpu.TILE == 0:
