@@ -80,11 +80,15 @@ def available() -> bool:
 
 
 def pack(w: BFloat16[Array, "I O"]) -> BFloat16[Array, "T I 32"]:
-    """[I, O] -> [O/32, I, 32]: each 32-column tile contiguous, so a thread streams it in order."""
+    """[I, O] -> [O/32, I, 32]: each 32-column tile contiguous, so a thread streams it in order.
+
+    Within a tile, each 16-column half is stored interleaved (c0, c8, c1, c9, ..., c7, c15): the
+    kernel widens a 32-bit lane's two bf16 values with one shift and one mask (gemv_bf16.cc)."""
     i, o = w.shape
     if o % TILE:
         raise ValueError(f"kernels_cpu.pack: the output width {o} is not a multiple of {TILE}")
-    return w.astype(jnp.bfloat16).reshape(i, o // TILE, TILE).transpose(1, 0, 2)
+    halves = w.astype(jnp.bfloat16).reshape(i, o // TILE, 2, 2, 8)  # [I, tile, half, 8-block, j]
+    return halves.transpose(1, 0, 2, 4, 3).reshape(o // TILE, i, TILE)
 
 
 def matmul(x: BFloat16[Array, "*lead I"], packed: BFloat16[Array, "T I 32"]) -> Float[Array, "*lead O"]:

@@ -67,7 +67,9 @@ def test_pack_layout_and_bad_width():
     w = jnp.arange(4 * 64, dtype=jnp.float32).reshape(4, 64)
     packed = kernels_cpu.pack(w)
     assert packed.shape == (2, 4, 32) and packed.dtype == jnp.bfloat16
-    assert np.array_equal(np.asarray(packed[1, 2], np.float32), np.asarray(w[2, 32:64]))
+    # tile 1, input 2: columns 32-63, each 16-column half interleaved (c0, c8, c1, c9, ...)
+    order = [32 + 16 * h + 8 * p + j for h in range(2) for j in range(8) for p in range(2)]
+    assert np.array_equal(np.asarray(packed[1, 2], np.float32), np.asarray(w[2, np.asarray(order)]))
     with pytest.raises(ValueError, match="not a multiple of 32"):
         kernels_cpu.pack(jnp.zeros((4, 48), jnp.bfloat16))
 
