@@ -9,10 +9,13 @@ in bf16"):
   * row-wise cache attention for blocks of <= 16 rows, on / off: no longer needed (the batched
     heads-major attention is row-invariant, so it is off by default); kept to compare costs.
 The no-one-row-dots measure is always on. Also reports whether row 0's logits are bitwise the
-same for every R (they must be with the compiler option on).
+same for every R (they must be with the compiler option on). With `--matmuls cpu_kernel xla`
+(the default) the same forwards also run on the CPU matmul kernel (`kernels_cpu`, load's
+default for bf16 on CPU), in the default step setting (option on, row-wise attention off).
 
   .venv/bin/python -m benchmarks.forward_rows [--target default] [--dtype bfloat16]
-      [--rows 1 2 4 8 16] [--context 256] [--repeats 20] [--out results/forward_rows]
+      [--rows 1 2 4 8 16] [--context 256] [--repeats 20] [--matmuls cpu_kernel xla]
+      [--out results/forward_rows]
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--matmuls", nargs="+", default=["cpu_kernel", "xla"], choices=("cpu_kernel", "xla"),
+                    help="matmul paths (load(matmul=...)); cpu_kernel is skipped where it cannot run")
     ap.add_argument("--out", default="results/forward_rows")
     a = ap.parse_args(argv)
     if a.context < 1 or a.repeats < 1 or any(r < 1 for r in a.rows):
@@ -84,23 +89,33 @@ def time_forwards(target, rows: list[int], context: int, repeats: int, *, fusion
 
 def run(args) -> dict[str, Any]:
     from peagle_jax.api import load
+    from peagle_jax.models.options import choose_matmul
 
-    if args.target == "tiny":
-        target = common.tiny_target(256, layers=2, dtype=args.dtype)
-    else:
-        target = load(args.target, method="none", dtype=args.dtype).target
     results = []
-    # Configurations interleaved per round of repeats would be fairer; one after the other,
-    # each is timed within seconds of the others on an otherwise idle machine.
-    for fusion_option, rowwise in itertools.product((True, False), (True, False)):
-        ms, logits = time_forwards(target, args.rows, args.context, args.repeats,
-                                   fusion_option=fusion_option, rowwise=rowwise)
-        first = logits[args.rows[0]]
-        invariant = all(np.array_equal(first, row) for row in logits.values())
-        results.append({"fusion_option": fusion_option, "rowwise_attention": rowwise,
-                        "ms_per_forward": {str(r): v for r, v in ms.items()}, "row0_bitwise_invariant": invariant})
-        print(f"fusion option {fusion_option!s:5} row-wise {rowwise!s:5}: "
-              + " ".join(f"{r}:{v:.1f}" for r, v in ms.items()) + f" ms; row 0 invariant: {invariant}", flush=True)
+    for matmul in args.matmuls:
+        if args.target == "tiny":
+            target = common.tiny_target(256, layers=2, dtype=args.dtype)
+            path = choose_matmul(target, "auto" if matmul == "cpu_kernel" else "xla")
+        else:
+            llm = load(args.target, method="none", dtype=args.dtype, matmul="auto" if matmul == "cpu_kernel" else "xla")
+            target, path = llm.target, llm.options["matmul"]
+        if path != matmul:
+            print(f"matmul {matmul}: not available here (XLA runs); skipped", flush=True)
+            continue
+        # The kernel has no XLA fusion or attention switch to compare: only the default setting.
+        combos = itertools.product((True, False), (False, True)) if matmul == "xla" else [(True, False)]
+        for fusion_option, rowwise in combos:
+            ms, logits = time_forwards(target, args.rows, args.context, args.repeats,
+                                       fusion_option=fusion_option, rowwise=rowwise)
+            first = logits[args.rows[0]]
+            invariant = all(np.array_equal(first, row) for row in logits.values())
+            results.append({"matmul": matmul, "fusion_option": fusion_option, "rowwise_attention": rowwise,
+                            "ms_per_forward": {str(r): v for r, v in ms.items()},
+                            "row0_bitwise_invariant": invariant})
+            print(f"{matmul:10s} fusion option {fusion_option!s:5} row-wise {rowwise!s:5}: "
+                  + " ".join(f"{r}:{v:.1f}" for r, v in ms.items()) + f" ms; row 0 invariant: {invariant}",
+                  flush=True)
+        del target
     return {"target": args.target, "dtype": args.dtype, "context": args.context, "repeats": args.repeats,
             "rows": args.rows, "machine": common.machine_info(), "results": results}
 
@@ -109,12 +124,12 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     common.write_json(out / "forward_rows.json", summary)
     rows = summary["rows"]
-    table = [["on" if r["fusion_option"] else "off", "on" if r["rowwise_attention"] else "off",
+    table = [[r["matmul"], "on" if r["fusion_option"] else "off", "on" if r["rowwise_attention"] else "off",
               *[common.fmt(r["ms_per_forward"][str(n)], 1) for n in rows],
               "yes" if r["row0_bitwise_invariant"] else "NO"] for r in summary["results"]]
     md = [f"# ms per target forward by row count ({summary['target']}, {summary['dtype']}, "
           f"context {summary['context']}, median of {summary['repeats']})", "",
-          common.md_table(["step_jit option", "row-wise attention", *[f"{n} rows" for n in rows],
+          common.md_table(["matmul", "step_jit option", "row-wise attention", *[f"{n} rows" for n in rows],
                            "row 0 bitwise equal for all row counts"], table),
           "", "## Machine", "", common.machine_md(summary["machine"]), ""]
     (out / "forward_rows.md").write_text("\n".join(md))

@@ -207,13 +207,15 @@ def test_forward_rows_tiny(tmp_path):
     out = tmp_path / "fr"
     s = forward_rows.main(["--target", "tiny", "--rows", "1", "2", "8", "--context", "8", "--repeats", "2",
                            "--out", str(out)])
+    import kernels_cpu
+
     assert (out / "forward_rows.md").stat().st_size > 0
-    assert len(s["results"]) == 4
+    assert [r["matmul"] for r in s["results"]] == ["cpu_kernel"] * kernels_cpu.available() + ["xla"] * 4
     for r in s["results"]:
         assert all(_finite_positive(v) for v in r["ms_per_forward"].values())
-    # with every measure on, row 0 is bitwise the same at 1, 2 and 8 rows
-    both = [r for r in s["results"] if r["fusion_option"] and r["rowwise_attention"]]
-    assert both[0]["row0_bitwise_invariant"]
+    # with every measure on, and on the kernel, row 0 is bitwise the same at 1, 2 and 8 rows
+    both = [r for r in s["results"] if r["fusion_option"] and (r["rowwise_attention"] or r["matmul"] == "cpu_kernel")]
+    assert all(r["row0_bitwise_invariant"] for r in both) and len(both) == 1 + kernels_cpu.available()
 
 
 @pytest.mark.slow
