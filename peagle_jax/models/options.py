@@ -72,6 +72,10 @@ def quantize_weights_fp8(module: nnx.Module, *, skip: tuple[str, ...] = ()) -> n
 
 
 MATMULS = ("auto", "xla", "cpu_kernel")
+# Linears of one module that share their input, packed side by side and run as one kernel
+# call (`layers.fused_linears`): the module's attribute for the packed weights, their names.
+FUSED_CALLS = {Attention: ("qkv_packed", ("q_proj", "k_proj", "v_proj")),
+               MLP: ("gate_up_packed", ("gate_proj", "up_proj"))}
 
 
 def cpu_kernel_blocker(module: nnx.Module) -> str | None:
@@ -112,9 +116,7 @@ def pack_cpu_matmuls(module: nnx.Module) -> nnx.Module:
 
     grouped: set[int] = set()  # Linears served by a fused call (no packed copy of their own)
     for _, node in nnx.iter_graph(module):
-        groups = {Attention: ("qkv_packed", ("q_proj", "k_proj", "v_proj")),
-                  MLP: ("gate_up_packed", ("gate_proj", "up_proj"))}
-        for kind, (attr, names) in groups.items():
+        for kind, (attr, names) in FUSED_CALLS.items():
             if isinstance(node, kind) and packable(*(linears := tuple(getattr(node, n) for n in names))):
                 setattr(node, attr, packed(*linears))
                 grouped.update(id(lin) for lin in linears)
