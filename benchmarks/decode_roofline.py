@@ -8,6 +8,8 @@ the weights from memory. This times, at the same R rows and on the model's own w
   * one pass reading all those weights (a sum in float32): the bandwidth this machine gives
     a plain XLA:CPU loop, i.e. the floor for a step.
 #18's "plain decoding at least 2x transformers" is checked against these figures in the README.
+All of it runs on XLA's matmuls (`load(matmul="xla")`): this is the analysis that motivated the
+CPU matmul kernel (`kernels_cpu`), which `benchmarks.forward_rows --matmuls` times against it.
 
   .venv/bin/python -m benchmarks.decode_roofline [--target default] [--rows 1 4 8]
       [--context 256] [--repeats 20] [--out results/decode_roofline]
@@ -87,7 +89,7 @@ def run(args) -> dict[str, Any]:
     if args.target == "tiny":
         target = common.tiny_target(256, layers=2, dtype=args.dtype)
     else:
-        target = load(args.target, method="none", dtype=args.dtype).target
+        target = load(args.target, method="none", dtype=args.dtype, matmul="xla").target
     read_ms, nbytes = time_weight_read(target, args.repeats)
     step_ms, _ = forward_rows.time_forwards(target, args.rows, args.context, args.repeats,
                                             fusion_option=True, rowwise=False)
