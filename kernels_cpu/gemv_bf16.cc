@@ -26,6 +26,15 @@ static inline void load16(const uint16_t* p, __m256& lo, __m256& hi) {
   hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
+// Weights are read kPrefetchLines lines (64 bytes, one i of a tile) ahead of use. The
+// hardware's stream prefetcher stops at 4 KiB page boundaries; this keeps the next pages (the
+// rest of the tile, then the next tile, which follows it in memory) arriving while the FMAs run.
+// Prefetching past the end of the weights is harmless (a prefetch never faults).
+constexpr int64_t kPrefetchLines = 128;
+static inline void prefetch_ahead(const uint16_t* wi) {
+  _mm_prefetch(reinterpret_cast<const char*>(wi + kPrefetchLines * kTile), _MM_HINT_T0);
+}
+
 // One or two rows x a whole 32-column tile: acc a (row x0) and b (row x1, if kTwo) += x[i] *
 // w[i, 0:32] for i in order, one FMA per element and step. The weights are read once and
 // widened in registers: with this few rows the call is bound by memory.
@@ -34,6 +43,7 @@ static void pair_tile(const float* x0, const float* x1, const uint16_t* w, int64
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
   for (int64_t i = 0; i < I; ++i) {
     const uint16_t* wi = w + i * kTile;
+    prefetch_ahead(wi);
     __m256 w0, w1, w2, w3;
     load16(wi, w0, w1);
     load16(wi + 16, w2, w3);
@@ -52,15 +62,18 @@ static void pair_tile(const float* x0, const float* x1, const uint16_t* w, int64
   }
 }
 
-// R rows x half a tile (16 columns), the same FMA sequence per element. Two widened weight
-// vectors serve all R rows, so with 3+ rows the call is bound by FMAs, not by widening
-// (2R + 3 registers: R <= 6).
+// R rows x half a tile (16 columns) x the chunk i0 .. i1 of the inputs, the same FMA sequence
+// per element as pair_tile: the running sums live in acc [R, 32] between chunks (a float32
+// store and load, exact). Two widened weight vectors serve all R rows, so with 3+ rows the
+// call is bound by FMAs, not by widening (2R + 3 registers: R <= 6).
 template <int R>
-static void rows_half_tile(const float* x, int64_t I, const uint16_t* w, float* y, int64_t O) {
+static void rows_half_chunk(const float* x, int64_t I, const uint16_t* w, int64_t i0, int64_t i1, float* acc,
+                            bool prefetch) {
   __m256 a[R][2];
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < I; ++i) {
+  for (int r = 0; r < R; ++r) { a[r][0] = _mm256_loadu_ps(acc + r * kTile); a[r][1] = _mm256_loadu_ps(acc + r * kTile + 8); }
+  for (int64_t i = i0; i < i1; ++i) {
+    if (prefetch) prefetch_ahead(w + i * kTile);
     __m256 w0, w1;
     load16(w + i * kTile, w0, w1);
 #pragma GCC unroll 8
@@ -71,36 +84,56 @@ static void rows_half_tile(const float* x, int64_t I, const uint16_t* w, float* 
     }
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) { _mm256_storeu_ps(y + r * O, a[r][0]); _mm256_storeu_ps(y + r * O + 8, a[r][1]); }
+  for (int r = 0; r < R; ++r) { _mm256_storeu_ps(acc + r * kTile, a[r][0]); _mm256_storeu_ps(acc + r * kTile + 8, a[r][1]); }
 }
 
 constexpr int64_t kMaxBlockRows = 6;
+constexpr int64_t kMaxRows = 64;  // acc's rows; more rows run in several passes (see tiles)
+constexpr int64_t kChunk = 64;    // inputs per chunk: 64 lines of a tile, 4 KiB, stay in L1
 
-static void rows_half_tile(int64_t R, const float* x, int64_t I, const uint16_t* w, float* y, int64_t O) {
+static void rows_half_chunk(int64_t R, const float* x, int64_t I, const uint16_t* w, int64_t i0, int64_t i1,
+                            float* acc, bool prefetch) {
   switch (R) {
-    case 1: return rows_half_tile<1>(x, I, w, y, O);
-    case 2: return rows_half_tile<2>(x, I, w, y, O);
-    case 3: return rows_half_tile<3>(x, I, w, y, O);
-    case 4: return rows_half_tile<4>(x, I, w, y, O);
-    case 5: return rows_half_tile<5>(x, I, w, y, O);
-    default: return rows_half_tile<6>(x, I, w, y, O);
+    case 1: return rows_half_chunk<1>(x, I, w, i0, i1, acc, prefetch);
+    case 2: return rows_half_chunk<2>(x, I, w, i0, i1, acc, prefetch);
+    case 3: return rows_half_chunk<3>(x, I, w, i0, i1, acc, prefetch);
+    case 4: return rows_half_chunk<4>(x, I, w, i0, i1, acc, prefetch);
+    case 5: return rows_half_chunk<5>(x, I, w, i0, i1, acc, prefetch);
+    default: return rows_half_chunk<6>(x, I, w, i0, i1, acc, prefetch);
   }
 }
 
-// Tiles [t0, t1) of one call. Up to two rows: one pass over each tile. More: blocks of at
-// most six rows (split evenly), each over the two halves of the tile (the tile stays in L2).
+// Rows [0, M) (M <= kMaxRows) of one tile. The tile streams from memory once, chunk by chunk:
+// each chunk (in L1) serves every block of at most six rows (split evenly) and both halves of
+// the tile before the next one is read, so the reads overlap the FMAs instead of preceding them.
+static void rows_tile(int64_t M, const float* x, int64_t I, const uint16_t* w, float* yt, int64_t O) {
+  alignas(32) float acc[kMaxRows * kTile];
+  std::memset(acc, 0, sizeof(float) * M * kTile);
+  const int64_t blocks = (M + kMaxBlockRows - 1) / kMaxBlockRows;
+  for (int64_t i0 = 0; i0 < I; i0 += kChunk) {
+    const int64_t i1 = std::min(I, i0 + kChunk);
+    for (int64_t b = 0, r0 = 0; b < blocks; ++b) {
+      const int64_t r1 = (b + 1) * M / blocks;
+      for (int64_t h = 0; h < 2; ++h)
+        rows_half_chunk(r1 - r0, x + r0 * I, I, w + 16 * h, i0, i1, acc + r0 * kTile + 16 * h, b == 0 && h == 0);
+      r0 = r1;
+    }
+  }
+  for (int64_t r = 0; r < M; ++r) std::memcpy(yt + r * O, acc + r * kTile, kTile * sizeof(float));
+}
+
+// Tiles [t0, t1) of one call. Up to two rows: one pass over each tile (pair_tile). More: rows
+// in groups of at most kMaxRows, each group over the tile chunk by chunk (rows_tile).
 static void tiles(int64_t t0, int64_t t1, int64_t M, int64_t I, int64_t O, const float* x,
                   const uint16_t* W, float* y) {
-  const int64_t blocks = (M + kMaxBlockRows - 1) / kMaxBlockRows;
   for (int64_t t = t0; t < t1; ++t) {
     const uint16_t* w = W + t * I * kTile;
     float* yt = y + t * kTile;
     if (M == 1) { pair_tile<false>(x, x, w, I, yt, yt); continue; }
     if (M == 2) { pair_tile<true>(x, x + I, w, I, yt, yt + O); continue; }
-    for (int64_t b = 0, r0 = 0; b < blocks; ++b) {
-      const int64_t r1 = (b + 1) * M / blocks;
-      for (int64_t h = 0; h < 2; ++h) rows_half_tile(r1 - r0, x + r0 * I, I, w + 16 * h, yt + r0 * O + 16 * h, O);
-      r0 = r1;
+    for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
+      const int64_t r1 = std::min(M, r0 + kMaxRows);
+      rows_tile(r1 - r0, x + r0 * I, I, w, yt + r0 * O, O);
     }
   }
 }

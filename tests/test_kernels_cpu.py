@@ -51,14 +51,16 @@ def test_matmul_matches_float64_reference(rows, d_in, d_out):
 
 @needs_kernel
 def test_rows_are_bitwise_invariant_to_row_count():
-    """Row r's bits do not depend on the rows beside it: 1 row alone, or among 2-33 others."""
+    """Row r's bits do not depend on the rows beside it: 1 row alone, or among 2-69 others
+    (past 64 rows the kernel runs the rows in two groups over each tile)."""
     rng = np.random.default_rng(0)
-    x, w = _bf16(rng, (33, 576)), kernels_cpu.pack(_bf16(rng, (576, 1536), 0.04))
+    x, w = _bf16(rng, (70, 576)), kernels_cpu.pack(_bf16(rng, (576, 1536), 0.04))
     call = jax.jit(kernels_cpu.matmul)
     full = np.asarray(call(x, w))
-    for rows in (1, 2, 3, 4, 5, 8, 16, 32):
+    for rows in (1, 2, 3, 4, 5, 8, 16, 32, 33, 64):
         part = np.asarray(call(x[:rows], w))
-        assert np.array_equal(part, full[:rows]), f"rows of a {rows}-row call differ from a 33-row call"
+        assert np.array_equal(part, full[:rows]), f"rows of a {rows}-row call differ from a 70-row call"
+    assert np.array_equal(np.asarray(call(x[64:], w)), full[64:]), "the second group of rows differs"
     # Leading axes are rows too ([B, T, I], as in a batched verify).
     assert np.array_equal(np.asarray(call(x[:32].reshape(4, 8, 576), w)).reshape(32, -1), full[:32])
 
