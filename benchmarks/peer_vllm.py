@@ -76,6 +76,11 @@ def _clean_env() -> dict[str, str]:
 
     env = common.peer_env()
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # vLLM-CPU's documented setup preloads Intel OpenMP (its speculative decoding warns of "significant
+    # performance loss" without it); the peer venv has it from intel-openmp. A user's LD_PRELOAD wins.
+    iomp = peer_python().parent.parent / "lib" / "libiomp5.so"
+    if iomp.exists() and "LD_PRELOAD" not in env:
+        env["LD_PRELOAD"] = str(iomp)
     return env
 
 
