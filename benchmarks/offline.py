@@ -533,8 +533,8 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
            + ("" if ex.get("vllm_spec_identical_to_vllm_plain") is None else
               f" vLLM speculative identical to vLLM plain: **{ex['vllm_spec_identical_to_vllm_plain']}** ("
               f"{sum(x['method'] in VLLM_SPEC_ROWS for x in ex['mismatches'])} outputs differ); "
-              f"vLLM plain identical to ours: {ex['vllm_plain_identical_to_ours']} (bf16 kernels differ: a "
-              f"near-tie can flip)."), ""]
+              f"vLLM plain identical to ours: {ex['vllm_plain_identical_to_ours']} (vLLM in "
+              f"{s.get('vllm_dtype') or 'bfloat16'}; other kernels round differently: a near-tie can flip)."), ""]
     if ex["mismatches"]:
         md.append(common.md_table(["dataset", "method", "K", "B", "vs", "prompt", "first diff", "len", "ref len"],
                                   [[x["dataset"], x["method"], x["k"], x["batch_size"], x["reference"], x["prompt"],
