@@ -91,7 +91,7 @@ def test_adaptive_engine_output_equals_plain_decoding_and_reports_its_choices():
     # rounds; the text never changes (plain rounds are exact), and /metrics shows the choices.
     target, drafter, tok, eos = _tiny_models()
     engine = Engine(target, drafter, tok, eos, method="peagle", num_draft_tokens=K, max_batch_size=2,
-                    max_model_len=MAX_LEN, adaptive=True)
+                    max_model_len=MAX_LEN, prefill_chunk=64, adaptive=True)  # fewer prefill shapes to warm up
     assert engine.adaptive
     engine.start(warmup=True)  # which also measures every kind of round for the policy
     kinds = {(b, s, g) for b in engine.buckets for s in (True, False) for g in (True, False)}

@@ -6,11 +6,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from peagle_jax.drafters.hybrid import HybridProposer
 from peagle_jax.drafters.ngram import NgramProposer
-from peagle_jax.generate.steps import SpecConfig, empty_context, prefill, prefill_chunk, spec_round
+from peagle_jax.generate import steps
+from peagle_jax.generate.steps import SpecConfig, empty_context
 from peagle_jax.sampling import SamplingParams
+
+# jitted (one compile each per config instead of op-by-op dispatch); config is static
+prefill = nnx.jit(steps.prefill, static_argnums=4)
+prefill_chunk = nnx.jit(steps.prefill_chunk, static_argnums=6)
+spec_round = nnx.jit(steps.spec_round, static_argnums=3)
 
 LENGTH = 37  # two full chunks of 16, then 5 tokens padded to 16
 CHUNK = 16

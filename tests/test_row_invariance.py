@@ -6,7 +6,8 @@ and a dot fused with its neighbours round differently unless `models.layers.matm
 cache attention's one batched product per (sequence, kv head) over a heads-major cache and
 `generate.steps.STEP_COMPILER_OPTIONS` keep every row on the same path. The CPU kernel
 (`kernels_cpu`, the default on CPU in bf16) is row-invariant by construction. Every test runs
-on both matmul paths and fails on a batch-variant one.
+on both matmul paths (the speculative one at every K on the default path) and fails on a
+batch-variant one.
 """
 
 from __future__ import annotations
@@ -74,8 +75,13 @@ def test_step_rows_are_bitwise_row_count_invariant(smollm2_bf16):
             assert np.array_equal(row, rows[1]), f"row 0 of a {r}-row forward differs from a 1-row forward"
 
 
-@pytest.mark.parametrize("method", ["peagle", "eagle3", "peagle+ngram/2c"])
-@pytest.mark.parametrize("k", [1, 3, 7])
+# Every K on the default path (the CPU kernel); K=3 on the XLA fallback (each case compiles
+# the 30-layer model again: minutes of CI).
+CASES = [(path, method, k) for path in ("xla", "cpu_kernel") for method in ("peagle", "eagle3", "peagle+ngram/2c")
+         for k in ((1, 3, 7) if path == "cpu_kernel" else (3,))]
+
+
+@pytest.mark.parametrize(("smollm2_bf16", "method", "k"), CASES, indirect=["smollm2_bf16"])
 def test_greedy_speculative_matches_plain_in_bf16(smollm2_bf16, method, k):
     """peagle+ngram/2c: the head's chain and prompt lookup's verified in one forward, the
     second chain's rows written 16 rows on (generate.tree)."""

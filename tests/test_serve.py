@@ -55,8 +55,9 @@ def models():
 @pytest.fixture(scope="module")
 def server(models):
     target, drafter, tok, eos = models
+    # prefill_chunk 64: the warm-up compiles 9 prefill shapes instead of 21 (longer prompts go in chunks)
     config = ServeConfig(max_batch_size=4, max_model_len=MAX_LEN, num_draft_tokens=K, api_key=KEY,
-                         max_queue_size=64, served_model_name=MODEL)
+                         max_queue_size=64, prefill_chunk=64, served_model_name=MODEL)
     app = create_app(config, target=target, drafter=drafter, tokenizer=tok, eos_ids=eos)
     with serve_in_thread(app) as url:
         yield url

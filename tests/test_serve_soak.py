@@ -79,8 +79,9 @@ def _post(client: httpx.Client, path: str, body, **kw) -> httpx.Response:
 @pytest.fixture(scope="module")
 def server():
     target, drafter, tok, eos = _tiny_models()
+    # prefill_chunk 64: fewer prefill shapes to warm up, and longer prompts take the chunked path under load
     config = ServeConfig(max_batch_size=8, max_model_len=MAX_LEN, num_draft_tokens=3, max_queue_size=64,
-                         served_model_name=MODEL)
+                         prefill_chunk=64, served_model_name=MODEL)
     with serve_in_thread(create_app(config, target=target, drafter=drafter, tokenizer=tok, eos_ids=eos)) as url:
         yield url
 

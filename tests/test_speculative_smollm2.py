@@ -57,8 +57,8 @@ def _table(tokens):
     return np.array([t + [0] * (n - len(t)) for t in tokens])
 
 
-@pytest.mark.parametrize("method", ["peagle", "eagle3"])
-@pytest.mark.parametrize("k", [1, 3, 7])
+# Both methods at two K (the bf16 suite, tests/test_row_invariance.py, covers every K with the shipped heads).
+@pytest.mark.parametrize("method,k", [("peagle", 1), ("peagle", 7), ("eagle3", 3), ("eagle3", 7)])
 def test_random_drafter_exact(smollm2, reference, method, k):
     target, prompts, eos = smollm2
     cfg = DrafterConfig.for_target(target.config, num_layers=2, parallel_drafting=True, mask_token_id=0)
