@@ -165,6 +165,14 @@ def machine_info() -> dict[str, Any]:
                     jax_device_kind=jax.devices()[0].device_kind)
     except Exception as e:  # noqa: BLE001 - machine info must never fail a run
         info["jax_error"] = repr(e)
+    try:  # hosts differ from session to session: say which CPU and which kernel loops ran
+        cpuinfo = open("/proc/cpuinfo").read().splitlines()
+        info["cpu_model"] = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+        import kernels_cpu
+
+        info["cpu_kernel"] = kernels_cpu.instruction_set() if kernels_cpu.available() else "unavailable"
+    except Exception as e:  # noqa: BLE001
+        info.setdefault("cpu_model", repr(e))
     import importlib.metadata
 
     for mod in ("flax", "torch", "transformers"):  # versions without importing (torch is slow to import)
@@ -266,6 +274,7 @@ def save_figure(fig, path: Path) -> None:
 
 
 def machine_md(info: dict[str, Any]) -> str:
-    keys = ("platform", "cpu_count", "cpu_affinity", "jax_version", "jax_backend", "jax_device_kind", "jax_devices",
+    keys = ("platform", "cpu_model", "cpu_kernel", "cpu_count", "cpu_affinity",
+            "jax_version", "jax_backend", "jax_device_kind", "jax_devices",
             "torch_version", "transformers_version", "date")
     return "\n".join(f"- {k}: {info[k]}" for k in keys if k in info)

@@ -1,4 +1,5 @@
-"""A row-invariant bf16 matmul for few rows on XLA:CPU: an FFI custom call (AVX2 + FMA).
+"""A row-invariant bf16 matmul for few rows on XLA:CPU: an FFI custom call (AVX2 + FMA; AVX-512F
+for 3+ rows where the CPU has it, with the same bits).
 
 XLA:CPU's bf16 matmuls over 1-16 rows stream the weights at about half the machine's read
 bandwidth (`benchmarks/decode_roofline.py`), and a small model's decode step is 90% matmuls.
@@ -31,12 +32,25 @@ LIBRARY = Path(__file__).parent / "_build" / "libgemv_bf16.so"
 TARGET_NAME = "peagle_gemv_bf16"
 
 
-def _cpu_has_avx2_fma() -> bool:
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
-        return False
-    return {"avx2", "fma", "f16c"} <= set(flags.split())
+        return frozenset()
+    return frozenset(flags.split())
+
+
+def _cpu_has_avx2_fma() -> bool:
+    return {"avx2", "fma", "f16c"} <= _cpu_flags()
+
+
+def instruction_set() -> str:
+    """The loops the library runs for 3+ rows here: "avx512f" (where the CPU has it and
+    PEAGLE_CPU_KERNEL_AVX2 is unset) or "avx2". Both give the same bits (gemv_bf16.cc)."""
+    if os.environ.get("PEAGLE_CPU_KERNEL_AVX2") is None and "avx512f" in _cpu_flags():
+        return "avx512f"
+    return "avx2"
 
 
 def build(force: bool = False) -> Path:

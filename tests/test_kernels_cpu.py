@@ -57,12 +57,40 @@ def test_rows_are_bitwise_invariant_to_row_count():
     x, w = _bf16(rng, (70, 576)), kernels_cpu.pack(_bf16(rng, (576, 1536), 0.04))
     call = jax.jit(kernels_cpu.matmul)
     full = np.asarray(call(x, w))
-    for rows in (1, 2, 3, 4, 5, 8, 16, 32, 33, 64):
+    for rows in (1, 2, 3, 4, 5, 8, 14, 15, 16, 32, 33, 64):
         part = np.asarray(call(x[:rows], w))
         assert np.array_equal(part, full[:rows]), f"rows of a {rows}-row call differ from a 70-row call"
     assert np.array_equal(np.asarray(call(x[64:], w)), full[64:]), "the second group of rows differs"
     # Leading axes are rows too ([B, T, I], as in a batched verify).
     assert np.array_equal(np.asarray(call(x[:32].reshape(4, 8, 576), w)).reshape(32, -1), full[:32])
+
+
+_AVX2_SCRIPT = """
+import sys, numpy as np, jax, jax.numpy as jnp, kernels_cpu
+assert kernels_cpu.available(), kernels_cpu.unavailable_reason()
+rng = np.random.default_rng(0)
+x = jnp.asarray(rng.standard_normal((40, 576)), jnp.bfloat16)
+w = kernels_cpu.pack(jnp.asarray(rng.standard_normal((576, 1536)) * 0.04, jnp.bfloat16))
+np.save(sys.argv[1], np.stack([np.asarray(kernels_cpu.matmul(x[:m], w))[0] for m in (1, 2, 3, 8, 14, 15, 40)]))
+"""
+
+
+@needs_kernel
+@pytest.mark.skipif(kernels_cpu.instruction_set() != "avx512f", reason="this CPU runs the AVX2 loops only")
+def test_avx512_loops_give_the_avx2_bits(tmp_path):
+    """Where AVX-512F runs 3+ rows, its sums are bitwise those of the AVX2 loops (same FMA
+    order per element), so a model's tokens do not depend on which of the two a host has."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "avx2.npy"
+    env = {**__import__("os").environ, "PEAGLE_CPU_KERNEL_AVX2": "1"}
+    subprocess.run([sys.executable, "-c", _AVX2_SCRIPT, str(out)], check=True, env=env, timeout=300)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((40, 576)), jnp.bfloat16)
+    w = kernels_cpu.pack(jnp.asarray(rng.standard_normal((576, 1536)) * 0.04, jnp.bfloat16))
+    here = np.stack([np.asarray(kernels_cpu.matmul(x[:m], w))[0] for m in (1, 2, 3, 8, 14, 15, 40)])
+    assert np.array_equal(here, np.load(out)), "the AVX-512 loops round differently from the AVX2 ones"
 
 
 def test_pack_layout_and_bad_width():
