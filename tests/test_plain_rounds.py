@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from peagle_jax.generate import speculative_generate
+from peagle_jax.generate.speculative import merge_models
 from peagle_jax.generate.steps import SpecConfig, prefill, spec_round, step_jit
 from peagle_jax.sampling import SamplingParams
 
@@ -19,32 +20,32 @@ K = 3
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13]]
 
 
-@functools.partial(step_jit, static_argnames=("graphs", "config"))
-def _prefill(params, tokens, lens, *, graphs, config):
-    target, head = (nnx.merge(g, p) for g, p in zip(graphs, params, strict=True))
+@functools.partial(step_jit, static_argnames=("target_def", "head_def", "config"))
+def _prefill(target_state, head_state, tokens, lens, *, target_def, head_def, config):
+    target, head = merge_models(target_def, target_state, head_def, head_state)
     return prefill(target, head, tokens, lens, config, max_new=jnp.asarray([40, 40]), sp=SamplingParams.full(2),
                    eos_ids=jnp.asarray([-1]), key=jax.random.split(jax.random.key(0), 2))
 
 
-@functools.partial(step_jit, static_argnames=("graphs", "config"))
-def _round(params, state, limit, *, graphs, config):
-    target, head = (nnx.merge(g, p) for g, p in zip(graphs, params, strict=True))
+@functools.partial(step_jit, static_argnames=("target_def", "head_def", "config"))
+def _round(target_state, head_state, state, limit, *, target_def, head_def, config):
+    target, head = merge_models(target_def, target_state, head_def, head_state)
     return spec_round(target, head, state._replace(draft_limit=limit), config)
 
 
 def _run(target, head, config, schedule):
     """Rounds with draft limits 0 (plain) or K per the schedule's booleans, each round jitted
     (one compile per config instead of op-by-op dispatch)."""
-    (gt, pt), (gh, ph) = nnx.split(target), nnx.split(head)
-    graphs, params = (gt, gh), (pt, ph)
+    (target_def, target_state), (head_def, head_state) = nnx.split(target), nnx.split(head)
+    models = dict(target_def=target_def, head_def=head_def, config=config)
     tokens = np.zeros((2, 16), np.int32)
     for i, p in enumerate(PROMPTS):
         tokens[i, : len(p)] = p
     lens = jnp.asarray([len(p) for p in PROMPTS], jnp.int32)
-    state = _prefill(params, jnp.asarray(tokens), lens, graphs=graphs, config=config)
+    state = _prefill(target_state, head_state, jnp.asarray(tokens), lens, **models)
     for speculate in schedule:
         limit = jnp.full((2,), K if speculate else 0, jnp.int32)
-        state = _round(params, state, limit, graphs=graphs, config=config)
+        state = _round(target_state, head_state, state, limit, **models)
     return state
 
 
