@@ -239,6 +239,14 @@ def load(
         if method in HYBRID_METHODS:
             from peagle_jax.drafters.hybrid import HybridProposer
             from peagle_jax.drafters.ngram import NgramProposer
+            from peagle_jax.generate.tree import two_chains_exact_here
+
+            if two_chains and not two_chains_exact_here():
+                log.warning("two_chains: on this host XLA's attention rounds a second chain's rows differently "
+                            "from their natural rows (generate.tree.second_chain_mismatches), so a two-chain "
+                            "verify could change greedy tokens; verifying one chain per round instead")
+                two_chains = False
+            llm.options["two_chains"] = two_chains
 
             llm.drafter = HybridProposer(llm.drafter, NgramProposer(prompt_lookup_min, prompt_lookup_max),
                                          head_draft_tokens, two_chains=two_chains)

@@ -478,37 +478,30 @@ def test_reference_tree_mask_matches_dense(dtype):
     for key_block in (128, 32):  # one block, and windows and chains spread over several
         with jax.default_matmul_precision("highest"):
             out = cache_attention_reference(q, k, v, slots, skip_lo=lo, skip_hi=hi, key_block=key_block)
+            plain = cache_attention_reference(q, k, v, slots, key_block=key_block)
         assert _err(out, ref) <= TOL[dtype]
-    # the window matters: without it the second chain would see the first
-    plain = cache_attention_reference(q, k, v, slots)
-    assert _err(plain[:, wm + 1:], ref[:, wm + 1:]) > 10 * TOL[dtype]
-    np.testing.assert_array_equal(np.asarray(plain[:, :wm + 1], np.float32), np.asarray(out[:, :wm + 1], np.float32))
+        # the window matters: without it the second chain would see the first; the root and the
+        # main chain hide nothing, so their rows are bitwise those of the unwindowed call
+        assert _err(plain[:, wm + 1:], ref[:, wm + 1:]) > 10 * TOL[dtype]
+        np.testing.assert_array_equal(np.asarray(plain[:, :wm + 1], np.float32),
+                                      np.asarray(out[:, :wm + 1], np.float32))
     with pytest.raises(ValueError, match="skip_lo and skip_hi"):
         cache_attention_reference(q, k, v, slots, skip_lo=lo)
 
 
-def test_tree_chain_rows_equal_their_natural_rows_bitwise():
+def test_tree_chain_rows_equal_their_natural_rows_bitwise_or_two_chains_are_off():
     """A second chain's rows, written 16 rows further on with the first chain's rows hidden,
-    give bitwise the values they get at their natural rows (what plain decoding computes).
-    Greedy tree verify relies on it; with the softmax sum taken by a reduction over the key
-    block, about 1 such row block in 300-1000 differed in the last bit."""
-    b, kvh, g, s, d, wa = 256, 3, 3, 512, 64, 7
-    a = 16
-    ks = jax.random.split(jax.random.PRNGKey(7), 6)
-    q = (2 * jax.random.normal(ks[0], (b, wa, kvh * g, d))).astype(jnp.bfloat16)
-    k = jax.random.normal(ks[1], (b, kvh, s, d)).astype(jnp.bfloat16)
-    v = jax.random.normal(ks[2], (b, kvh, s, d)).astype(jnp.bfloat16)
-    kb = jax.random.normal(ks[3], (b, kvh, wa, d)).astype(jnp.bfloat16)
-    vb = jax.random.normal(ks[4], (b, kvh, wa, d)).astype(jnp.bfloat16)
-    n = jax.random.randint(ks[5], (b,), 0, s - a - wa - 1)
-    natural = n[:, None] + 1 + jnp.arange(wa)[None]
-    write = jax.vmap(lambda c, rows, at: jax.lax.dynamic_update_slice_in_dim(c, rows, at, axis=1))
-    attend = jax.jit(cache_attention_reference)
-    want = attend(q, write(k, kb, n + 1), write(v, vb, n + 1), natural)
-    got = attend(q, write(k, kb, n + a + 1), write(v, vb, n + a + 1), natural + a,
-                 skip_lo=jnp.broadcast_to(n[:, None] + 1, natural.shape),
-                 skip_hi=jnp.broadcast_to(n[:, None] + a + 1, natural.shape))
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    must give bitwise the values they get at their natural rows (what plain decoding computes)
+    for greedy tree verify to be exact. With the softmax sum taken by a reduction over the key
+    block, about 1 such row block in 300-1000 differed in the last bit on an AVX2 EPYC; with it
+    as a product, none. On a Xeon with AVX-512, XLA's dots themselves round 3-8 of 1M elements
+    differently, and there `load` turns two chains off (test_ngram)."""
+    from peagle_jax.generate import tree
+
+    mismatches = [tree.second_chain_mismatches(seed) for seed in (7, 8)]
+    assert tree.two_chains_exact_here() == (sum(mismatches) == 0), mismatches
+    if jax.default_backend() == "cpu" and "avx512f" not in open("/proc/cpuinfo").read():
+        assert mismatches[0] == 0, "the AVX2 hosts this was verified on (seed 7) must stay exact"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -248,6 +248,20 @@ def test_hybrid_methods_resolve_through_the_front_door(target):
         load(None, method="peagle", head_draft_tokens=1)
 
 
+def test_load_keeps_two_chains_only_where_they_are_exact(monkeypatch):
+    """`load(two_chains=True)` verifies two chains only where this backend's attention gives a
+    second chain's rows their natural bits (generate.tree.two_chains_exact_here); elsewhere it
+    falls back to one chain per round, which is exact everywhere, and says so in `options`."""
+    from peagle_jax.api import load
+    from peagle_jax.generate import tree
+
+    llm = load(None, method="peagle+ngram", two_chains=True)
+    assert llm.options["two_chains"] == llm.drafter.two_chains == tree.two_chains_exact_here()
+    monkeypatch.setattr(tree, "two_chains_exact_here", lambda: False)
+    llm = load(None, method="peagle+ngram", two_chains=True)
+    assert llm.options["two_chains"] is False and llm.drafter.two_chains is False
+
+
 # --------------------------------------------------------------------------- two chains, one forward
 
 

@@ -30,12 +30,15 @@ with the shipped head in bf16.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Int
 
-from kernels_pallas.cache_attention import KEY_BLOCK
+from kernels_pallas.cache_attention import KEY_BLOCK, cache_attention_reference
 from peagle_jax.cache import KVCache, LayerKV
 
 #: The second chain's rows start a multiple of this many rows after the root (see above).
@@ -107,3 +110,37 @@ def move_second_chain(cache: KVCache, lengths: Int[Array, " B"], main_width: int
 
     layers = tuple(LayerKV(*(move(x) for x in layer)) for layer in cache.layers)
     return cache._replace(layers=layers)
+
+
+def second_chain_mismatches(seed: int = 7, batch: int = 256, width: int = 7) -> int:
+    """Elements of a second chain's attention rows (the XLA reference, bf16) that differ from
+    the same rows at their natural place: 0 where greedy two-chain verify is exact.
+
+    The rows are written CHAIN_ALIGN rows further on with the window between hidden, as
+    `two_chain_layout` does. XLA:CPU's dots decide whether a key's place changes the sum's
+    rounding: 0 of 1M elements differed on an AVX2 EPYC, 3-8 on a Xeon with AVX-512 (its dots
+    split the key axis in a way no offset tried, 16-64, avoided)."""
+    b, kvh, g, s, d, a = batch, 3, 3, KEY_BLOCK, 64, CHAIN_ALIGN
+    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+    q = (2 * jax.random.normal(ks[0], (b, width, kvh * g, d))).astype(jnp.bfloat16)
+    k, v = (jax.random.normal(key, (b, kvh, s, d)).astype(jnp.bfloat16) for key in ks[1:3])
+    kb, vb = (jax.random.normal(key, (b, kvh, width, d)).astype(jnp.bfloat16) for key in ks[3:5])
+    n = jax.random.randint(ks[5], (b,), 0, s - a - width - 1)
+    natural = n[:, None] + 1 + jnp.arange(width)[None]
+    write = jax.vmap(lambda c, rows, at: jax.lax.dynamic_update_slice_in_dim(c, rows, at, axis=1))
+    attend = jax.jit(cache_attention_reference)
+    want = attend(q, write(k, kb, n + 1), write(v, vb, n + 1), natural)
+    got = attend(q, write(k, kb, n + a + 1), write(v, vb, n + a + 1), natural + a,
+                 skip_lo=jnp.broadcast_to(n[:, None] + 1, natural.shape),
+                 skip_hi=jnp.broadcast_to(n[:, None] + a + 1, natural.shape))
+    return int(np.sum(np.asarray(got, np.float32) != np.asarray(want, np.float32)))
+
+
+@functools.cache
+def two_chains_exact_here() -> bool:
+    """Whether greedy two-chain verify keeps plain decoding's tokens on this backend (measured
+    once per process, about a second). On CPU it is `second_chain_mismatches` over two seeds;
+    elsewhere the Pallas kernels serve the verify (tested against a dense reference)."""
+    if jax.default_backend() != "cpu":
+        return True
+    return all(second_chain_mismatches(seed) == 0 for seed in (7, 8))
