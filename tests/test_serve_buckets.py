@@ -222,3 +222,34 @@ def test_long_prompts_prefill_in_chunks_between_rounds_and_nothing_compiles_afte
     first = calls.index("chunk")
     assert calls[first:first + 6] == ["chunk", "round"] * 3, calls  # request 0 decodes between the chunks
     assert _compiled(run.engine) == compiled
+
+
+def test_engine_load_benchmark_counts_every_token_and_times_the_phases(models):
+    """benchmarks.engine_load's closed loop: every request runs to its budget (no EOS ids), with
+    at most `concurrency` in flight, and the phase timer sees the rounds and prefills."""
+    from benchmarks.engine_load import PhaseTimer, closed_loop
+
+    target, drafter, tok, _ = models
+    engine = Engine(target, drafter, tok, [], method="peagle", num_draft_tokens=K, max_batch_size=2,
+                    max_model_len=MAX_LEN)
+    timer = PhaseTimer(engine)
+    live, peak = [0], [0]
+    real_insert = engine._insert
+
+    def counting_insert(reqs, *a):
+        real_insert(reqs, *a)
+        live[0] = engine._num_active()
+        peak[0] = max(peak[0], live[0])
+
+    engine._insert = counting_insert
+    engine.start(warmup=False)
+    try:
+        prompts = [tok.encode(p) for p in PROMPTS]
+        tokens, seconds = closed_loop(engine, prompts, concurrency=2, max_new=6)
+    finally:
+        engine.shutdown()
+    assert tokens == 6 * len(PROMPTS) and seconds > 0
+    assert peak[0] == 2  # two clients: never more than two sequences in the batch
+    assert 1 <= timer.calls["_prefill_rows"] <= len(PROMPTS)
+    assert timer.calls["_round"] >= 6 * len(PROMPTS) // 2 // (K + 1)
+    assert timer.seconds["_step"] >= timer.seconds["_round"] > 0

@@ -111,3 +111,25 @@ def test_data_parallel_two_fake_devices_matches_one(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout.split("RESULT", 1)[1])
     np.testing.assert_allclose(res["2"], res["1"], rtol=2e-5)
+
+
+def test_fine_tuning_starts_from_the_saved_head_and_keeps_its_vocabulary(tmp_path):
+    from peagle_jax.train.export import export
+
+    first = Trainer(_cfg(tmp_path, "first", max_steps=3, **{"drafter.draft_vocab_size": 32}))
+    first.run()
+    head = export(first.cfg.run_dir, tmp_path / "head", layout="aws", dtype="float32")[0]
+
+    tuned = Trainer(_cfg(tmp_path, "tuned", max_steps=2, **{"drafter.init_from": str(head)}))
+    np.testing.assert_array_equal(tuned.draft_ids, first.draft_ids)
+    np.testing.assert_array_equal(np.load(tmp_path / "tuned" / "draft_ids.npy"), first.draft_ids)
+    assert tuned.trainable.keys() == first.trainable.keys()
+    for k, v in first.trainable.items():  # the saved weights, not a fresh initialisation
+        np.testing.assert_array_equal(np.asarray(tuned.trainable[k]), np.asarray(v), err_msg=k)
+    recs = tuned.run()
+    assert [r["step"] for r in recs] == [1, 2] and all(np.isfinite(r["loss"]) for r in recs)
+
+    with pytest.raises(ValueError, match=r"drafter.num_layers: config 2, head 1"):
+        Trainer(_cfg(tmp_path, "clash", **{"drafter.init_from": str(head), "drafter.num_layers": 2}))
+    with pytest.raises(ValueError, match=r"objective.method: config eagle3, head peagle"):
+        Trainer(_cfg(tmp_path, "clash2", **{"drafter.init_from": str(head), "objective.method": "eagle3"}))

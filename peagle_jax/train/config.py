@@ -70,6 +70,9 @@ class DrafterSection(_Frozen):
     # row trains (head must ship embed_tokens); all: the whole table trains.
     train_embed: Literal["none", "mask_row", "all"] = "none"
     init_seed: int = 0
+    # A saved head (AWS or speculators layout) to fine-tune instead of a fresh one: its weights,
+    # draft vocabulary (d2t) and shape are kept; num_layers / draft_vocab_size must agree or be left out.
+    init_from: str | None = None
 
 
 class ObjectiveSection(_Frozen):

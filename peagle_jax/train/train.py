@@ -103,7 +103,40 @@ def export_drafter(graphdef, trainable, frozen):
     return d
 
 
+def head_to_fine_tune(cfg: TrainConfig, target):
+    """The head `drafter.init_from` names, in the target's dtype, checked against the config.
+
+    Fine-tuning keeps the head's draft vocabulary, layers and mode, so a setting that asks for
+    another shape is an error naming both values, never a silent override."""
+    from peagle_jax.checkpoints.drafter_io import load_drafter
+
+    head = load_drafter(cfg.drafter.init_from, target=target, dtype=target.config.dtype)
+    hc, peagle = head.config, cfg.objective.method == "peagle"
+    given = cfg.drafter.model_fields_set  # settings the config states (defaults defer to the head)
+    clashes = [f"{name}: config {want}, head {have}" for name, want, have in (
+        ("drafter.num_layers", cfg.drafter.num_layers if "num_layers" in given else None, hc.num_hidden_layers),
+        ("drafter.draft_vocab_size", cfg.drafter.draft_vocab_size, hc.draft_vocab_size),
+        ("drafter.mask_token_id", cfg.drafter.mask_token_id if peagle else None, hc.mask_token_id),
+        ("objective.method", cfg.objective.method, "peagle" if hc.parallel_drafting else "eagle3"),
+    ) if want is not None and want != have]
+    if clashes:
+        raise ValueError(f"drafter.init_from {cfg.drafter.init_from} does not match the config: " + "; ".join(clashes))
+    return head
+
+
+def head_draft_ids(head) -> np.ndarray:
+    """The sorted target ids of a head's draft vocabulary (d2t holds target id minus draft id)."""
+    d2t = np.asarray(head.d2t[...])
+    return (np.arange(d2t.shape[0]) + d2t).astype(np.int64)
+
+
 def build_drafter(cfg: TrainConfig, target, draft_ids: np.ndarray):
+    if cfg.drafter.init_from is not None:
+        head = head_to_fine_tune(cfg, target)
+        if not np.array_equal(head_draft_ids(head), draft_ids):
+            raise ValueError(f"drafter.init_from {cfg.drafter.init_from}: its draft vocabulary differs from "
+                             "this run's draft_ids.npy (a run directory started from another head?)")
+        return head
     tc = target.config
     peagle = cfg.objective.method == "peagle"
     mask_id = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None else tc.vocab_size - 1
@@ -197,6 +230,10 @@ class Trainer:
         vocab_file = self.run_dir / "draft_ids.npy"
         if vocab_file.exists():
             draft_ids = np.load(vocab_file)
+        elif cfg.drafter.init_from is not None:  # fine-tuning keeps the head's vocabulary
+            draft_ids = head_draft_ids(head_to_fine_tune(cfg, self.target))
+            if jax.process_index() == 0:
+                np.save(vocab_file, draft_ids)
         else:
             counts = token_counts(pairs, tc.vocab_size)
             draft_ids = draft_ids_from_counts(counts, cfg.drafter.draft_vocab_size, always=self.eos_ids)
