@@ -48,7 +48,7 @@ ROWWISE_MAX_ROWS = 0
 #: block is read whole, with no loop. 128 rather than 512: a block is read whole however few of
 #: its keys are live, so larger blocks spend more on masked keys. On the server (1024-row
 #: cache, HumanEval prompts, batch 4, AVX-512 host) a 1-row prefill of ~150 tokens took 196 ms
-#: against 258 ms at 512, and engine throughput rose 10% (/work/runs/s20/engine_c4.py).
+#: against 258 ms at 512, and engine throughput rose 10% (`benchmarks.engine_load`).
 KEY_BLOCK = 128
 
 
