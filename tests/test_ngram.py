@@ -256,8 +256,9 @@ def test_load_keeps_two_chains_only_where_they_are_exact(monkeypatch):
     from peagle_jax.generate import tree
 
     llm = load(None, method="peagle+ngram", two_chains=True)
-    assert llm.options["two_chains"] == llm.drafter.two_chains == tree.two_chains_exact_here()
-    monkeypatch.setattr(tree, "two_chains_exact_here", lambda: False)
+    exact = tree.two_chains_exact_here(llm.options["attention"] or "xla")
+    assert llm.options["two_chains"] == llm.drafter.two_chains == exact
+    monkeypatch.setattr(tree, "two_chains_exact_here", lambda implementation="xla": False)
     llm = load(None, method="peagle+ngram", two_chains=True)
     assert llm.options["two_chains"] is False and llm.drafter.two_chains is False
 

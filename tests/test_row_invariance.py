@@ -4,8 +4,9 @@ share its forward, so greedy speculative decoding emits exactly plain decoding's
 XLA:CPU picks kernels by row count: a one-row dot (plain decoding), a K+1-row dot (verify)
 and a dot fused with its neighbours round differently unless `models.layers.matmul`, the
 cache attention's one batched product per (sequence, kv head) over a heads-major cache and
-`generate.steps.STEP_COMPILER_OPTIONS` keep every row on the same path. The CPU kernel
-(`kernels_cpu`, the default on CPU in bf16) is row-invariant by construction. Every test runs
+`generate.steps.STEP_COMPILER_OPTIONS` keep every row on the same path. The CPU kernels
+(`kernels_cpu`'s matmul and attention, the default on CPU in bf16) are row-invariant by
+construction. Every test runs
 on both matmul paths (the speculative one at every K on the default path) and fails on a
 batch-variant one.
 """
@@ -37,13 +38,15 @@ def smollm2_bf16(request):
     from peagle_jax.checkpoints import load_target
     from peagle_jax.checkpoints.default_model import default_model_path
     from peagle_jax.checkpoints.tokenizer import eos_token_ids, load_tokenizer
-    from peagle_jax.models.options import choose_matmul
+    from peagle_jax.models.options import choose_matmul, configure_inference
 
     if request.param == "cpu_kernel" and not kernels_cpu.available():
         pytest.skip(f"kernels_cpu unavailable: {kernels_cpu.unavailable_reason()}")
     path = default_model_path()
     target = load_target(path, dtype="bfloat16")
     choose_matmul(target, request.param)
+    if request.param == "cpu_kernel":  # as `load` sets it up: the attention on the kernel too
+        configure_inference(target, attention="cpu")
     tok = load_tokenizer(path)
     prompts = [encode_prompt(tok, {"kind": "chat", "text": m}) for m in MESSAGES]
     return target, prompts, eos_token_ids(tok, path)
@@ -89,15 +92,16 @@ def test_greedy_speculative_matches_plain_in_bf16(smollm2_bf16, method, k):
     from peagle_jax.checkpoints.drafter_io import load_drafter
     from peagle_jax.drafters.hybrid import HybridProposer
     from peagle_jax.drafters.ngram import NgramProposer
-    from peagle_jax.models.options import choose_matmul
+    from peagle_jax.models.options import choose_matmul, configure_inference
 
     target, prompts, eos = smollm2_bf16
     head = default_drafter_path(method.split("+")[0])
     if head is None:
         pytest.skip(f"no shipped {method} head")
     drafter = load_drafter(head, target=target, dtype="bfloat16")
-    if target.lm_head_packed is not None:  # the cpu_kernel run: the head on the kernel too
+    if target.lm_head_packed is not None:  # the cpu_kernel run: the head on the kernels too
         choose_matmul(drafter, "cpu_kernel")
+        configure_inference(drafter, attention="cpu")
     if method.endswith("/2c"):
         drafter = HybridProposer(drafter, NgramProposer(2, 4), head_draft_tokens=1, two_chains=True)
         method = method.removesuffix("/2c")

@@ -43,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights and activations (norms, softmax and logits stay float32)")
     p.add_argument("--mesh", default=None,
                    help="tensor/data parallelism, e.g. 'model=4' or 'data=2,model=4' (default: one device)")
-    p.add_argument("--attention", choices=("xla", "triton", "mosaic", "auto"), default=None,
-                   help="cache-attention implementation (Pallas kernels on GPU; default: XLA reference)")
+    p.add_argument("--attention", choices=("xla", "cpu", "triton", "mosaic", "auto"), default=None,
+                   help="cache-attention implementation (Pallas kernels on GPU; default: cpu, "
+                        "the C++ kernel, where the matmuls run on the CPU kernel, else the XLA reference)")
     p.add_argument("--kv-cache-dtype", choices=("float32", "bfloat16", "float8_e4m3fn"), default=None)
     p.add_argument("--fp8-weights", action="store_true", help="store target linear weights in FP8 (e4m3)")
     p.add_argument("--matmul", choices=("auto", "xla", "cpu_kernel"), default="auto",

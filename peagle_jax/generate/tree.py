@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
 
-from kernels_pallas.cache_attention import KEY_BLOCK, cache_attention_reference
+from kernels_pallas.cache_attention import KEY_BLOCK, cache_attention
 from peagle_jax.cache import KVCache, LayerKV
 
 #: The second chain's rows start a multiple of this many rows after the root (see above).
@@ -112,14 +112,16 @@ def move_second_chain(cache: KVCache, lengths: Int[Array, " B"], main_width: int
     return cache._replace(layers=layers)
 
 
-def second_chain_mismatches(seed: int = 7, batch: int = 256, width: int = 7) -> int:
-    """Elements of a second chain's attention rows (the XLA reference, bf16) that differ from
-    the same rows at their natural place: 0 where greedy two-chain verify is exact.
+def second_chain_mismatches(seed: int = 7, batch: int = 256, width: int = 7, implementation: str = "xla") -> int:
+    """Elements of a second chain's attention rows (bf16; `implementation` as in
+    `cache_attention`) that differ from the same rows at their natural place: 0 where greedy
+    two-chain verify is exact.
 
     The rows are written CHAIN_ALIGN rows further on with the window between hidden, as
     `two_chain_layout` does. XLA:CPU's dots decide whether a key's place changes the sum's
     rounding: 0 of 1M elements differed on an AVX2 EPYC, 3-8 on a Xeon with AVX-512 (its dots
-    split the key axis in a way no offset tried, 16-64, avoided)."""
+    split the key axis in a way no offset tried, 16-64, avoided). The "cpu" kernel sums each
+    row over its keys in visit order, wherever they lie: 0 by construction, and checked."""
     b, kvh, g, s, d, a = batch, 3, 3, KEY_BLOCK, 64, CHAIN_ALIGN
     ks = jax.random.split(jax.random.PRNGKey(seed), 6)
     q = (2 * jax.random.normal(ks[0], (b, width, kvh * g, d))).astype(jnp.bfloat16)
@@ -128,7 +130,7 @@ def second_chain_mismatches(seed: int = 7, batch: int = 256, width: int = 7) -> 
     n = jax.random.randint(ks[5], (b,), 0, s - a - width - 1)
     natural = n[:, None] + 1 + jnp.arange(width)[None]
     write = jax.vmap(lambda c, rows, at: jax.lax.dynamic_update_slice_in_dim(c, rows, at, axis=1))
-    attend = jax.jit(cache_attention_reference)
+    attend = jax.jit(functools.partial(cache_attention, implementation=implementation))
     want = attend(q, write(k, kb, n + 1), write(v, vb, n + 1), natural)
     got = attend(q, write(k, kb, n + a + 1), write(v, vb, n + a + 1), natural + a,
                  skip_lo=jnp.broadcast_to(n[:, None] + 1, natural.shape),
@@ -137,10 +139,11 @@ def second_chain_mismatches(seed: int = 7, batch: int = 256, width: int = 7) -> 
 
 
 @functools.cache
-def two_chains_exact_here() -> bool:
-    """Whether greedy two-chain verify keeps plain decoding's tokens on this backend (measured
-    once per process, about a second). On CPU it is `second_chain_mismatches` over two seeds;
-    elsewhere the Pallas kernels serve the verify (tested against a dense reference)."""
+def two_chains_exact_here(implementation: str = "xla") -> bool:
+    """Whether greedy two-chain verify keeps plain decoding's tokens on this backend with this
+    attention (measured once per process, about a second). On CPU it is
+    `second_chain_mismatches` over two seeds; elsewhere the Pallas kernels serve the verify
+    (tested against a dense reference)."""
     if jax.default_backend() != "cpu":
         return True
-    return all(second_chain_mismatches(seed) == 0 for seed in (7, 8))
+    return all(second_chain_mismatches(seed, implementation=implementation) == 0 for seed in (7, 8))

@@ -52,7 +52,8 @@ class PackedKernel(nnx.Variable):
 
 
 KERNEL_MAX_ROWS = 32
-"""Rows per sequence that go to `kernels_cpu.matmul`: decode steps, verifies and draft passes.
+"""Rows per sequence that go to `kernels_cpu.matmul` (and, with attention "cpu", to
+`kernels_cpu.cache_attention`): decode steps, verifies and draft passes.
 
 Longer calls (prompt prefill) stay on XLA, whose large matrix multiply is faster there. Plain
 and speculative decoding prefill a prompt through the same calls, so this split never makes
@@ -208,7 +209,10 @@ class Attention(nnx.Module):
         q, k, v = self.project_qkv(x, positions)
         slots = positions if slots is None else slots
         kv = kv.write(k, v, slots)
-        attn = functools.partial(cache_attention, implementation=self.attn_impl, interpret=self.attn_interpret)
+        impl = self.attn_impl
+        if impl == "cpu" and t > KERNEL_MAX_ROWS:  # prompt prefill: XLA's blockwise products are faster there
+            impl = "xla"
+        attn = functools.partial(cache_attention, implementation=impl, interpret=self.attn_interpret)
         window = {} if skip is None else {"skip_lo": skip[0], "skip_hi": skip[1]}
         if self.mesh is not None:
             from peagle_jax.sharding import sharded_attention

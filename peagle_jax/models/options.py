@@ -32,7 +32,7 @@ def configure_inference(
     kv_cache_dtype: str | None = None,
     moe: str | None = None,
 ) -> nnx.Module:
-    """Pick the cache-attention implementation ("xla" | "triton" | "mosaic" | "auto"), the KV
+    """Pick the cache-attention implementation ("xla" | "cpu" | "triton" | "mosaic" | "auto"), the KV
     cache dtype and the MoE evaluation ("dense" | "gathered", see `layers.MoE`) of a target
     model or drafter (in place). An option left None keeps its current setting."""
     if attention is not None and attention not in IMPLEMENTATIONS:

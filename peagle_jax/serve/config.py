@@ -81,8 +81,9 @@ class ServeConfig(BaseModel):
     two_chains: bool = Field(False, description="X+ngram methods: verify the head's and the lookup's drafts "
                              "together in one forward where the lookup matches (greedy rounds)")
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    attention: Literal["xla", "triton", "mosaic", "auto"] | None = Field(
-        None, description="cache-attention implementation (Pallas kernels on GPU; default: XLA reference)")
+    attention: Literal["xla", "cpu", "triton", "mosaic", "auto"] | None = Field(
+        None, description="cache-attention implementation (Pallas kernels on GPU; default: cpu, "
+                    "the C++ kernel, where the matmuls run on the CPU kernel, else the XLA reference)")
     kv_cache_dtype: Literal["float32", "bfloat16", "float8_e4m3fn"] | None = Field(
         None, description="KV cache dtype (default: the model dtype)")
     fp8_weights: bool = Field(False, description="store the target's linear weights in FP8 (e4m3)")
@@ -179,7 +180,9 @@ _FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--two-chains",), dict(action="store_const", const=True, help="X+ngram methods: verify the head's and "
                                                                     "the lookup's drafts in one forward")),
     (("--dtype",), dict(choices=("float32", "bfloat16"))),
-    (("--attention",), dict(choices=("xla", "triton", "mosaic", "auto"), help="cache-attention implementation")),
+    (("--attention",), dict(choices=("xla", "cpu", "triton", "mosaic", "auto"),
+                            help="cache-attention implementation (default: cpu where the matmuls run on the CPU "
+                                 "kernel, else xla)")),
     (("--kv-cache-dtype",), dict(choices=("float32", "bfloat16", "float8_e4m3fn"))),
     (("--fp8-weights",), dict(action="store_const", const=True, help="FP8 (e4m3) target linear weights")),
     (("--matmul",), dict(choices=("auto", "xla", "cpu_kernel"), help="decode-sized matmuls (default auto: the "
