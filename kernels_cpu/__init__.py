@@ -1,18 +1,20 @@
-"""Row-invariant CPU kernels as FFI custom calls: a bf16 matmul for few rows (AVX2 + FMA;
-AVX-512F for 3+ rows where the CPU has it, with the same bits) and a bf16 cache attention.
+"""Row-invariant CPU kernels as FFI custom calls: a bf16 matmul for few rows (AMX tiles where
+the CPU has them, else FMAs in AVX-512F / AVX2, which give the same bits) and a bf16 cache
+attention.
 
 XLA:CPU's bf16 matmuls over 1-16 rows stream the weights at about half the machine's read
 bandwidth (`benchmarks/decode_roofline.py`), and a small model's decode step is 90% matmuls.
-`matmul(x, pack(w))` computes x @ w in float32 from weights packed tile-major [O/32, I, 32],
-over the FFI's intra-op thread pool. Every row runs the same loop over I, so a row's result
-is bitwise the same whatever the number of rows: the row invariance exact speculation needs.
+`matmul(x, pack(w))` computes x @ w in float32 from weights packed tile-major in input pairs
+[O/32, J, 64], over the FFI's intra-op thread pool. Every row runs the same steps over I, so
+a row's result is bitwise the same whatever the number of rows: the row invariance exact
+speculation needs.
 
 `cache_attention(q, k, v, positions)` attends query rows to a bf16 KV cache, one row at a time
 over its visible keys (`attention_bf16.cc`): a row's result depends on nothing else in the call,
 so a decode step, a verify and a tree verify's second chain give a row the same bits.
 
-The library is compiled from `gemv_bf16.cc` and `attention_bf16.cc` by `build()` (scripts/setup.sh runs it, and
-`available()` does when it is missing). Without a compiler, or on a CPU without AVX2/FMA,
+The library is compiled from `gemv_bf16.cc` and `attention_bf16.cc` by `build()`
+(scripts/setup.sh runs it, and `available()` does when it is missing). Without a compiler, or on a CPU without AVX2/FMA,
 `available()` is False, `unavailable_reason()` says why, and callers keep XLA's matmul.
 """
 
@@ -52,11 +54,16 @@ def _cpu_has_avx2_fma() -> bool:
 
 
 def instruction_set() -> str:
-    """The loops the library runs for 3+ rows here: "avx512f" (where the CPU has it and
-    PEAGLE_CPU_KERNEL_AVX2 is unset) or "avx2". Both give the same bits (gemv_bf16.cc)."""
-    if os.environ.get("PEAGLE_CPU_KERNEL_AVX2") is None and "avx512f" in _cpu_flags():
-        return "avx512f"
-    return "avx2"
+    """The matmul loops the library runs here: "amx" (tile dot products for every row count),
+    "avx512f" (512-bit FMAs for 3+ rows, AVX2 for 1-2) or "avx2" (gemv_bf16.cc; the two FMA
+    sets give the same bits). PEAGLE_CPU_KERNEL_NO_AMX=1 rules out "amx" and
+    PEAGLE_CPU_KERNEL_AVX2=1 forces "avx2" (the library reads both once per process)."""
+    if available():
+        return ("avx2", "avx512f", "amx")[ctypes.cdll.LoadLibrary(str(LIBRARY)).peagle_gemv_loop_set()]
+    flags = _cpu_flags()
+    if os.environ.get("PEAGLE_CPU_KERNEL_AVX2") is not None or "avx512f" not in flags:
+        return "avx2"
+    return "avx512f"
 
 
 def build(force: bool = False) -> Path:
@@ -101,19 +108,20 @@ def available() -> bool:
     return unavailable_reason() is None
 
 
-def pack(w: BFloat16[Array, "I O"]) -> BFloat16[Array, "T I 32"]:
-    """[I, O] -> [O/32, I, 32]: each 32-column tile contiguous, so a thread streams it in order.
-
-    Within a tile, each 16-column half is stored interleaved (c0, c8, c1, c9, ..., c7, c15): the
-    kernel widens a 32-bit lane's two bf16 values with one shift and one mask (gemv_bf16.cc)."""
+def pack(w: BFloat16[Array, "I O"]) -> BFloat16[Array, "T J 64"]:
+    """[I, O] -> [O/32, J, 64], J = ceil(I/2) rounded up to a multiple of 16: each 32-column
+    tile contiguous, so a thread streams it in order; per input pair j, column c's two weights
+    w[2j, c], w[2j + 1, c] side by side (one 32-bit lane: AMX's operand layout, gemv_bf16.cc).
+    Rows past I are zero."""
     i, o = w.shape
     if o % TILE:
         raise ValueError(f"kernels_cpu.pack: the output width {o} is not a multiple of {TILE}")
-    halves = w.astype(jnp.bfloat16).reshape(i, o // TILE, 2, 2, 8)  # [I, tile, half, 8-block, j]
-    return halves.transpose(1, 0, 2, 4, 3).reshape(o // TILE, i, TILE)
+    pairs = -(-(-(-i // 2)) // 16) * 16
+    w = jnp.concatenate([w.astype(jnp.bfloat16), jnp.zeros((2 * pairs - i, o), jnp.bfloat16)])
+    return w.reshape(pairs, 2, o // TILE, TILE).transpose(2, 0, 3, 1).reshape(o // TILE, pairs, 2 * TILE)
 
 
-def matmul(x: BFloat16[Array, "*lead I"], packed: BFloat16[Array, "T I 32"]) -> Float[Array, "*lead O"]:
+def matmul(x: BFloat16[Array, "*lead I"], packed: BFloat16[Array, "T J 64"]) -> Float[Array, "*lead O"]:
     """x @ w in float32, w given as `pack(w)`; any number of leading rows."""
     lead, i = x.shape[:-1], x.shape[-1]
     rows = 1

@@ -1,11 +1,21 @@
-// A bf16 GEMV/GEMM for few rows on AVX2+FMA CPUs (AVX-512F for 3+ rows where present, with the
-// same bits), as an XLA FFI custom call (kernels_cpu;
-// peagle_jax routes decode, verify and draft matmuls here on CPU, models.options.choose_matmul).
-// y[m, o] = sum_i x[m, i] * W[i, o], accumulated in float32 in a fixed order over i for every
-// row, so a row's result never depends on how many rows share the call (the row invariance
-// that peagle_jax's exact speculation rests on).
-// W is packed tile-major [O/32, I, 32] so each thread streams contiguous memory (and each
-// 16-column half interleaved for a cheap bf16 -> float32 widening, see load16).
+// A bf16 GEMV/GEMM for few rows on x86 CPUs, as an XLA FFI custom call (kernels_cpu; peagle_jax
+// routes decode, verify and draft matmuls here on CPU, models.options.choose_matmul).
+//
+// y[m, o] = sum_i x[m, i] * W[i, o] in float32, every row by the same steps whatever the number of
+// rows in the call, so a row's result never depends on the rows beside it (the row invariance
+// that peagle_jax's exact speculation rests on). A host picks one loop set for every row count:
+//   * AMX (AMX-BF16 CPUs where Linux grants the tile state): tile dot products, TDPBF16PS;
+//   * else FMAs on widened weights, AVX-512F for 3+ rows and AVX2 for 1-2 rows (or AVX2 only).
+//     Both FMA sets take the same steps, bit for bit (tested): per input pair j, in order,
+//     acc += x[2j+1] W[2j+1, o]; acc += x[2j] W[2j, o], each an FMA with denormals flushed.
+//     (A bf16 x bf16 product is exact in float32, so each step rounds once.)
+// AMX rounds its sums its own way, so an AMX host's tokens can differ from an FMA host's; on each
+// host, speculative decoding still gives exactly that host's plain decoding tokens.
+//
+// W is packed [O/32, J, 32, 2], J = ceil(I/2) rounded up to a multiple of 16 (zero weights past
+// I): per 32-column tile, per input pair j, each column's two weights W[2j, c], W[2j+1, c] side
+// by side in one 32-bit lane (AMX's operand layout; the FMA loops split a lane with a shift and a
+// mask). Each thread streams whole tiles in order.
 #include <immintrin.h>
 #include <algorithm>
 #include <atomic>
@@ -13,224 +23,279 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <vector>
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
-constexpr int64_t kTile = 32;
+constexpr int64_t kTile = 32;             // output columns per tile
+constexpr int64_t kPairStride = 2 * kTile;  // bf16 values per (tile, input pair): 128 bytes
 
-// 16 packed bf16 weights -> two float32 vectors, exactly. `pack` stores each 16-column half
-// of a tile interleaved (c0, c8, c1, c9, ...), so a 32-bit lane holds columns j and 8 + j:
-// a shift gives columns 0-7 and a mask gives 8-15, two integer ops per 16 weights.
-static inline void load16(const uint16_t* p, __m256& lo, __m256& hi) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-  hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-
-// Weights are read kPrefetchLines lines (64 bytes, one i of a tile) ahead of use. The
-// hardware's stream prefetcher stops at 4 KiB page boundaries; this keeps the next pages (the
-// rest of the tile, then the next tile, which follows it in memory) arriving while the FMAs run.
+// Weights are read kPrefetchPairs pairs (128 bytes each) ahead of use. The hardware's stream
+// prefetcher stops at 4 KiB page boundaries; this keeps the next pages (the rest of the tile,
+// then the next tile, which follows it in memory) arriving while the arithmetic runs.
 // Prefetching past the end of the weights is harmless (a prefetch never faults).
-constexpr int64_t kPrefetchLines = 128;
-static inline void prefetch_ahead(const uint16_t* wi) {
-  _mm_prefetch(reinterpret_cast<const char*>(wi + kPrefetchLines * kTile), _MM_HINT_T0);
+constexpr int64_t kPrefetchPairs = 64;
+static inline void prefetch_ahead(const uint16_t* wj) {
+  const char* p = reinterpret_cast<const char*>(wj + kPrefetchPairs * kPairStride);
+  _mm_prefetch(p, _MM_HINT_T0);
+  _mm_prefetch(p + 64, _MM_HINT_T0);
 }
 
-// One or two rows x a whole 32-column tile: acc a (row x0) and b (row x1, if kTwo) += x[i] *
-// w[i, 0:32] for i in order, one FMA per element and step. The weights are read once and
-// widened in registers: with this few rows the call is bound by memory.
+// ---- AVX2 + FMA ------------------------------------------------------------------------------
+// 8 lanes of packed pairs -> the even weights W[2j, c] and the odd ones W[2j+1, c] as float32.
+static inline void split8(const uint16_t* p, __m256& even, __m256& odd) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// One or two rows x a whole tile, all pairs: bound by memory, the weights are read once.
 template <bool kTwo>
-static void pair_tile(const float* x0, const float* x1, const uint16_t* w, int64_t I, float* y0, float* y1) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-  for (int64_t i = 0; i < I; ++i) {
-    const uint16_t* wi = w + i * kTile;
-    prefetch_ahead(wi);
-    __m256 w0, w1, w2, w3;
-    load16(wi, w0, w1);
-    load16(wi + 16, w2, w3);
-    const __m256 s = _mm256_broadcast_ss(x0 + i);
-    a0 = _mm256_fmadd_ps(s, w0, a0); a1 = _mm256_fmadd_ps(s, w1, a1);
-    a2 = _mm256_fmadd_ps(s, w2, a2); a3 = _mm256_fmadd_ps(s, w3, a3);
-    if (kTwo) {
-      const __m256 u = _mm256_broadcast_ss(x1 + i);
-      b0 = _mm256_fmadd_ps(u, w0, b0); b1 = _mm256_fmadd_ps(u, w1, b1);
-      b2 = _mm256_fmadd_ps(u, w2, b2); b3 = _mm256_fmadd_ps(u, w3, b3);
+static void pair_tile(const float* x0, const float* x1, const uint16_t* w, int64_t J, float* y0, float* y1) {
+  __m256 a[4], b[4];
+  for (int g = 0; g < 4; ++g) a[g] = b[g] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < J; ++j) {
+    const uint16_t* wj = w + j * kPairStride;
+    prefetch_ahead(wj);
+    const __m256 s0 = _mm256_broadcast_ss(x0 + 2 * j), s1 = _mm256_broadcast_ss(x0 + 2 * j + 1);
+    __m256 u0, u1;
+    if (kTwo) { u0 = _mm256_broadcast_ss(x1 + 2 * j); u1 = _mm256_broadcast_ss(x1 + 2 * j + 1); }
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) {
+      __m256 we, wo;
+      split8(wj + 16 * g, we, wo);
+      a[g] = _mm256_fmadd_ps(s0, we, _mm256_fmadd_ps(s1, wo, a[g]));
+      if (kTwo) b[g] = _mm256_fmadd_ps(u0, we, _mm256_fmadd_ps(u1, wo, b[g]));
     }
   }
-  _mm256_storeu_ps(y0, a0); _mm256_storeu_ps(y0 + 8, a1); _mm256_storeu_ps(y0 + 16, a2); _mm256_storeu_ps(y0 + 24, a3);
-  if (kTwo) {
-    _mm256_storeu_ps(y1, b0); _mm256_storeu_ps(y1 + 8, b1); _mm256_storeu_ps(y1 + 16, b2); _mm256_storeu_ps(y1 + 24, b3);
+  for (int g = 0; g < 4; ++g) {
+    _mm256_storeu_ps(y0 + 8 * g, a[g]);
+    if (kTwo) _mm256_storeu_ps(y1 + 8 * g, b[g]);
   }
 }
 
-// R rows x half a tile (16 columns) x the chunk i0 .. i1 of the inputs, the same FMA sequence
-// per element as pair_tile: the running sums live in acc [R, 32] between chunks (a float32
-// store and load, exact). Two widened weight vectors serve all R rows, so with 3+ rows the
-// call is bound by FMAs, not by widening (2R + 3 registers: R <= 6).
+// R rows x half a tile (16 columns, 16 packed lanes) x the pairs j0 .. j1; running sums in acc
+// [R, 32] (the half's columns at the offset the caller gives)
+// between chunks (a float32 store and load, exact). Two widened pairs of vectors serve all R rows.
 template <int R>
-static void rows_half_chunk(const float* x, int64_t I, const uint16_t* w, int64_t i0, int64_t i1, float* acc,
+static void rows_half_chunk(const float* x, int64_t J, const uint16_t* w, int64_t j0, int64_t j1, float* acc,
                             bool prefetch) {
   __m256 a[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) { a[r][0] = _mm256_loadu_ps(acc + r * kTile); a[r][1] = _mm256_loadu_ps(acc + r * kTile + 8); }
-  for (int64_t i = i0; i < i1; ++i) {
-    if (prefetch) prefetch_ahead(w + i * kTile);
-    __m256 w0, w1;
-    load16(w + i * kTile, w0, w1);
+  for (int64_t j = j0; j < j1; ++j) {
+    const uint16_t* wj = w + j * kPairStride;
+    if (prefetch) prefetch_ahead(wj);
+    __m256 e0, o0, e1, o1;
+    split8(wj, e0, o0);
+    split8(wj + 16, e1, o1);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m256 s = _mm256_broadcast_ss(x + r * I + i);
-      a[r][0] = _mm256_fmadd_ps(s, w0, a[r][0]);
-      a[r][1] = _mm256_fmadd_ps(s, w1, a[r][1]);
+      const __m256 s0 = _mm256_broadcast_ss(x + r * 2 * J + 2 * j), s1 = _mm256_broadcast_ss(x + r * 2 * J + 2 * j + 1);
+      a[r][0] = _mm256_fmadd_ps(s0, e0, _mm256_fmadd_ps(s1, o0, a[r][0]));
+      a[r][1] = _mm256_fmadd_ps(s0, e1, _mm256_fmadd_ps(s1, o1, a[r][1]));
     }
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) { _mm256_storeu_ps(acc + r * kTile, a[r][0]); _mm256_storeu_ps(acc + r * kTile + 8, a[r][1]); }
 }
 
-constexpr int64_t kMaxBlockRows = 6;
+constexpr int64_t kMaxBlockRows = 5;
 constexpr int64_t kMaxRows = 64;  // acc's rows; more rows run in several passes (see tiles)
-constexpr int64_t kChunk = 64;    // inputs per chunk: 64 lines of a tile, 4 KiB, stay in L1
+constexpr int64_t kChunk = 32;    // input pairs per chunk: 32 x 128 bytes, 4 KiB, stay in L1
 
-static void rows_half_chunk(int64_t R, const float* x, int64_t I, const uint16_t* w, int64_t i0, int64_t i1,
+static void rows_half_chunk(int64_t R, const float* x, int64_t J, const uint16_t* w, int64_t j0, int64_t j1,
                             float* acc, bool prefetch) {
   switch (R) {
-    case 1: return rows_half_chunk<1>(x, I, w, i0, i1, acc, prefetch);
-    case 2: return rows_half_chunk<2>(x, I, w, i0, i1, acc, prefetch);
-    case 3: return rows_half_chunk<3>(x, I, w, i0, i1, acc, prefetch);
-    case 4: return rows_half_chunk<4>(x, I, w, i0, i1, acc, prefetch);
-    case 5: return rows_half_chunk<5>(x, I, w, i0, i1, acc, prefetch);
-    default: return rows_half_chunk<6>(x, I, w, i0, i1, acc, prefetch);
+    case 1: return rows_half_chunk<1>(x, J, w, j0, j1, acc, prefetch);
+    case 2: return rows_half_chunk<2>(x, J, w, j0, j1, acc, prefetch);
+    case 3: return rows_half_chunk<3>(x, J, w, j0, j1, acc, prefetch);
+    case 4: return rows_half_chunk<4>(x, J, w, j0, j1, acc, prefetch);
+    default: return rows_half_chunk<5>(x, J, w, j0, j1, acc, prefetch);
   }
 }
 
-// Rows [0, M) (M <= kMaxRows) of one tile. The tile streams from memory once, chunk by chunk:
-// each chunk (in L1) serves every block of at most six rows (split evenly) and both halves of
-// the tile before the next one is read, so the reads overlap the FMAs instead of preceding them.
-static void rows_tile(int64_t M, const float* x, int64_t I, const uint16_t* w, float* yt, int64_t O) {
+// Rows [0, M) (M <= kMaxRows) of one tile, streamed once chunk by chunk: each chunk (in L1)
+// serves every block of rows and both halves of the tile before the next one is read.
+static void rows_tile(int64_t M, const float* x, int64_t J, const uint16_t* w, float* yt, int64_t O) {
   alignas(32) float acc[kMaxRows * kTile];
   std::memset(acc, 0, sizeof(float) * M * kTile);
   const int64_t blocks = (M + kMaxBlockRows - 1) / kMaxBlockRows;
-  for (int64_t i0 = 0; i0 < I; i0 += kChunk) {
-    const int64_t i1 = std::min(I, i0 + kChunk);
+  for (int64_t j0 = 0; j0 < J; j0 += kChunk) {
+    const int64_t j1 = std::min(J, j0 + kChunk);
     for (int64_t b = 0, r0 = 0; b < blocks; ++b) {
       const int64_t r1 = (b + 1) * M / blocks;
       for (int64_t h = 0; h < 2; ++h)
-        rows_half_chunk(r1 - r0, x + r0 * I, I, w + 16 * h, i0, i1, acc + r0 * kTile + 16 * h, b == 0 && h == 0);
+        rows_half_chunk(r1 - r0, x + r0 * 2 * J, J, w + 32 * h, j0, j1, acc + r0 * kTile + 16 * h, b == 0 && h == 0);
       r0 = r1;
     }
   }
   for (int64_t r = 0; r < M; ++r) std::memcpy(yt + r * O, acc + r * kTile, kTile * sizeof(float));
 }
 
-// ---- AVX-512F: the same sums, twice the lanes -------------------------------------------
-// On CPUs with AVX-512F one 512-bit load holds a whole packed tile. Shifting and masking its
-// 32-bit lanes gives lo = columns (0-7, 16-23) and hi = (8-15, 24-31) as float32, exactly.
-// Each output element still gets one FMA per input i, in order, from a zero start: the very
-// same rounding steps as the AVX2 loops above, so the two paths agree bit for bit (tested) and
-// only the instruction count halves. 32 vector registers hold up to 14 rows x 32 columns.
+// ---- AVX-512F: the same FMAs, twice the lanes, for 3+ rows ------------------------------------
 #define PEAGLE_AVX512 __attribute__((target("avx512f")))
-constexpr int64_t kMaxBlockRows512 = 14;
+constexpr int64_t kMaxBlockRows512 = 12;  // 24 accumulators + 4 weight vectors + 2 broadcasts
 
-// Whether the AVX-512 loops run (PEAGLE_CPU_KERNEL_AVX2=1 keeps the AVX2 ones, for tests), and
-// from how many rows: 1-2 rows are bound by memory, and the AVX2 pair_tile streams them slightly
-// faster (SmolLM2-shaped stack: 10.5 against 11.0 ms at 1 row); PEAGLE_CPU_KERNEL_MIN512
-// overrides the threshold, for measuring.
-static bool cpu_has_avx512f() {
-  static const bool has = __builtin_cpu_supports("avx512f") && std::getenv("PEAGLE_CPU_KERNEL_AVX2") == nullptr;
-  return has;
-}
-static int64_t min_avx512_rows() {
-  static const int64_t rows = std::getenv("PEAGLE_CPU_KERNEL_MIN512") ? std::atoll(std::getenv("PEAGLE_CPU_KERNEL_MIN512")) : 3;
-  return rows;
-}
-
-// R rows x a whole tile x the inputs i0 .. i1; running sums in acc [R, 32] (in lo/hi lane
-// order, see store_tile512) between chunks: a float32 store and load, exact.
 template <int R>
-PEAGLE_AVX512 static void rows_chunk512(const float* x, int64_t I, const uint16_t* w, int64_t i0, int64_t i1,
+PEAGLE_AVX512 static void rows_chunk512(const float* x, int64_t J, const uint16_t* w, int64_t j0, int64_t j1,
                                         float* acc, bool prefetch) {
   __m512 lo[R], hi[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) { lo[r] = _mm512_loadu_ps(acc + r * kTile); hi[r] = _mm512_loadu_ps(acc + r * kTile + 16); }
   const __m512i mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t i = i0; i < i1; ++i) {
-    const uint16_t* wi = w + i * kTile;
-    if (prefetch) prefetch_ahead(wi);
-    const __m512i v = _mm512_loadu_si512(wi);
-    const __m512 wl = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-    const __m512 wh = _mm512_castsi512_ps(_mm512_and_si512(v, mask));
+  for (int64_t j = j0; j < j1; ++j) {
+    const uint16_t* wj = w + j * kPairStride;
+    if (prefetch) prefetch_ahead(wj);
+    const __m512i v0 = _mm512_loadu_si512(wj), v1 = _mm512_loadu_si512(wj + 32);
+    const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16)), o0 = _mm512_castsi512_ps(_mm512_and_si512(v0, mask));
+    const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16)), o1 = _mm512_castsi512_ps(_mm512_and_si512(v1, mask));
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const __m512 s = _mm512_set1_ps(x[r * I + i]);
-      lo[r] = _mm512_fmadd_ps(s, wl, lo[r]);
-      hi[r] = _mm512_fmadd_ps(s, wh, hi[r]);
+      const __m512 s0 = _mm512_set1_ps(x[r * 2 * J + 2 * j]), s1 = _mm512_set1_ps(x[r * 2 * J + 2 * j + 1]);
+      lo[r] = _mm512_fmadd_ps(s0, e0, _mm512_fmadd_ps(s1, o0, lo[r]));
+      hi[r] = _mm512_fmadd_ps(s0, e1, _mm512_fmadd_ps(s1, o1, hi[r]));
     }
   }
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) { _mm512_storeu_ps(acc + r * kTile, lo[r]); _mm512_storeu_ps(acc + r * kTile + 16, hi[r]); }
 }
 
-PEAGLE_AVX512 static void rows_chunk512(int64_t R, const float* x, int64_t I, const uint16_t* w, int64_t i0,
-                                        int64_t i1, float* acc, bool prefetch) {
+PEAGLE_AVX512 static void rows_chunk512(int64_t R, const float* x, int64_t J, const uint16_t* w, int64_t j0,
+                                        int64_t j1, float* acc, bool prefetch) {
   switch (R) {
-#define PEAGLE_ROWS_CASE(n) case n: return rows_chunk512<n>(x, I, w, i0, i1, acc, prefetch);
-    PEAGLE_ROWS_CASE(1) PEAGLE_ROWS_CASE(2) PEAGLE_ROWS_CASE(3) PEAGLE_ROWS_CASE(4) PEAGLE_ROWS_CASE(5)
-    PEAGLE_ROWS_CASE(6) PEAGLE_ROWS_CASE(7) PEAGLE_ROWS_CASE(8) PEAGLE_ROWS_CASE(9) PEAGLE_ROWS_CASE(10)
-    PEAGLE_ROWS_CASE(11) PEAGLE_ROWS_CASE(12) PEAGLE_ROWS_CASE(13)
-#undef PEAGLE_ROWS_CASE
-    default: return rows_chunk512<14>(x, I, w, i0, i1, acc, prefetch);
+    case 1: return rows_chunk512<1>(x, J, w, j0, j1, acc, prefetch);
+    case 2: return rows_chunk512<2>(x, J, w, j0, j1, acc, prefetch);
+    case 3: return rows_chunk512<3>(x, J, w, j0, j1, acc, prefetch);
+    case 4: return rows_chunk512<4>(x, J, w, j0, j1, acc, prefetch);
+    case 5: return rows_chunk512<5>(x, J, w, j0, j1, acc, prefetch);
+    case 6: return rows_chunk512<6>(x, J, w, j0, j1, acc, prefetch);
+    case 7: return rows_chunk512<7>(x, J, w, j0, j1, acc, prefetch);
+    case 8: return rows_chunk512<8>(x, J, w, j0, j1, acc, prefetch);
+    case 9: return rows_chunk512<9>(x, J, w, j0, j1, acc, prefetch);
+    case 10: return rows_chunk512<10>(x, J, w, j0, j1, acc, prefetch);
+    case 11: return rows_chunk512<11>(x, J, w, j0, j1, acc, prefetch);
+    default: return rows_chunk512<12>(x, J, w, j0, j1, acc, prefetch);
   }
 }
 
-// acc's lane order back to columns: lo holds (0-7, 16-23), hi (8-15, 24-31).
-static void store_tile512(const float* acc, float* y) {
-  std::memcpy(y, acc, 8 * sizeof(float));
-  std::memcpy(y + 16, acc + 8, 8 * sizeof(float));
-  std::memcpy(y + 8, acc + 16, 8 * sizeof(float));
-  std::memcpy(y + 24, acc + 24, 8 * sizeof(float));
+// ---- AMX: tile dot products, every row count ------------------------------------------------
+// Where the CPU has AMX-BF16 (and Linux grants the tile state), every call runs on the tiles:
+// a [rows <= 16, 16 pairs] tile of the inputs times two [16 pairs, 16 columns] tiles of the
+// packed weights (the same bytes, read with a 128-byte row stride) into two [rows, 16] float32
+// accumulator tiles. TDPBF16PS rounds its sums its own way (not as the FMA loops do), but it
+// computes each output row from its input row alone, so a row's bits still do not depend on
+// the rows beside it; a host with AMX runs every row count here.
+#define PEAGLE_AMX __attribute__((target("amx-tile,amx-bf16")))
+struct TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+PEAGLE_AMX static void amx_configure(int64_t rows) {
+  TileConfig cfg{};
+  cfg.palette = 1;
+  const uint8_t r = static_cast<uint8_t>(rows);
+  cfg.rows[0] = r; cfg.colsb[0] = 64;    // inputs: rows x 16 pairs
+  cfg.rows[1] = 16; cfg.colsb[1] = 64;   // weights, columns 0-15: 16 pairs x 16 columns x 2
+  cfg.rows[2] = 16; cfg.colsb[2] = 64;   // weights, columns 16-31
+  cfg.rows[3] = r; cfg.colsb[3] = 64;    // sums, columns 0-15
+  cfg.rows[4] = r; cfg.colsb[4] = 64;    // sums, columns 16-31
+  // GCC does not treat LDTILECFG as reading `cfg`, and drops the stores above without this.
+  __asm__ __volatile__("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
 }
 
-// Rows [0, M) (M <= kMaxRows) of one tile. One block (M <= 14) streams the tile once with its
-// sums in registers; more rows go chunk by chunk as in rows_tile, each chunk (in L1) serving
+// Rows [0, M) (M <= 16, tiles configured for M rows) of one tile, all pairs.
+PEAGLE_AMX static void amx_tile(const uint32_t* xp, int64_t J, const uint16_t* w, float* yt, int64_t O) {
+  _tile_zero(3);
+  _tile_zero(4);
+  for (int64_t j = 0; j < J; j += 16) {
+    const uint16_t* wj = w + j * kPairStride;
+    prefetch_ahead(wj);
+    _tile_loadd(0, xp + j, J * 4);
+    _tile_loadd(1, wj, kPairStride * 2);
+    _tile_loadd(2, wj + kTile, kPairStride * 2);
+    _tile_dpbf16ps(3, 0, 1);
+    _tile_dpbf16ps(4, 0, 2);
+  }
+  _tile_stored(3, yt, O * 4);
+  _tile_stored(4, yt + 16, O * 4);
+}
+
+PEAGLE_AMX static void amx_release() { _tile_release(); }
+
+// AMX-BF16 and AMX-TILE in CPUID leaf 7, and the kernel's permission to use the tile state.
+static bool amx_usable() {
+  unsigned a, b, c, d;
+  __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+  if (!((d >> 22) & 1) || !((d >> 24) & 1)) return false;
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+// Which loops run here, chosen once per process: 2 = AMX (every row count), 1 = AVX-512F FMAs
+// (3+ rows; AVX2 for 1-2), 0 = AVX2 only. PEAGLE_CPU_KERNEL_NO_AMX=1 rules out 2 and
+// PEAGLE_CPU_KERNEL_AVX2=1 forces 0 (tests compare the FMA sets' bits; benchmarks time them).
+static int loop_set() {
+  static const int set = [] {
+    if (std::getenv("PEAGLE_CPU_KERNEL_NO_AMX") == nullptr && amx_usable()) return 2;
+    if (std::getenv("PEAGLE_CPU_KERNEL_AVX2") != nullptr || !__builtin_cpu_supports("avx512f")) return 0;
+    return 1;
+  }();
+  return set;
+}
+
+extern "C" int peagle_gemv_loop_set() { return loop_set(); }  // for kernels_cpu.instruction_set
+
+// Rows [0, M) (M <= kMaxRows) of one tile with 512-bit loops: one block (M <= 12) streams the
+// tile once with its sums in registers; more rows go chunk by chunk, each chunk (in L1) serving
 // every block before the next is read.
-PEAGLE_AVX512 static void rows_tile512(int64_t M, const float* x, int64_t I, const uint16_t* w, float* yt,
-                                       int64_t O) {
+static void rows_tile512(int64_t M, const float* x, int64_t J, const uint16_t* w, float* yt, int64_t O) {
   alignas(64) float acc[kMaxRows * kTile];
   std::memset(acc, 0, sizeof(float) * M * kTile);
   const int64_t blocks = (M + kMaxBlockRows512 - 1) / kMaxBlockRows512;
-  const int64_t chunk = blocks == 1 ? I : kChunk;
-  for (int64_t i0 = 0; i0 < I; i0 += chunk) {
-    const int64_t i1 = std::min(I, i0 + chunk);
+  const int64_t chunk = blocks == 1 ? J : kChunk;
+  for (int64_t j0 = 0; j0 < J; j0 += chunk) {
+    const int64_t j1 = std::min(J, j0 + chunk);
     for (int64_t b = 0, r0 = 0; b < blocks; ++b) {
       const int64_t r1 = (b + 1) * M / blocks;
-      rows_chunk512(r1 - r0, x + r0 * I, I, w, i0, i1, acc + r0 * kTile, b == 0);
+      rows_chunk512(r1 - r0, x + r0 * 2 * J, J, w, j0, j1, acc + r0 * kTile, b == 0);
       r0 = r1;
     }
   }
-  for (int64_t r = 0; r < M; ++r) store_tile512(acc + r * kTile, yt + r * O);
+  for (int64_t r = 0; r < M; ++r) std::memcpy(yt + r * O, acc + r * kTile, kTile * sizeof(float));
 }
 
-// Tiles [t0, t1) of one call. Up to two rows: one pass over each tile (pair_tile). More: rows
-// in groups of at most kMaxRows, each group over the tile chunk by chunk (rows_tile).
-static void tiles(int64_t t0, int64_t t1, int64_t M, int64_t I, int64_t O, const float* x,
-                  const uint16_t* W, float* y) {
+// Tiles [t0, t1) of one call with the FMA loops, rows in groups of at most kMaxRows.
+static void fma_tiles(int64_t t0, int64_t t1, int64_t M, int64_t J, int64_t O, const float* x, const uint16_t* W,
+                      float* y, bool wide) {
   for (int64_t t = t0; t < t1; ++t) {
-    const uint16_t* w = W + t * I * kTile;
+    const uint16_t* w = W + t * J * kPairStride;
     float* yt = y + t * kTile;
-    if (M >= min_avx512_rows() && cpu_has_avx512f()) {
-      for (int64_t r0 = 0; r0 < M; r0 += kMaxRows)
-        rows_tile512(std::min(M, r0 + kMaxRows) - r0, x + r0 * I, I, w, yt + r0 * O, O);
-      continue;
-    }
-    if (M == 1) { pair_tile<false>(x, x, w, I, yt, yt); continue; }
-    if (M == 2) { pair_tile<true>(x, x + I, w, I, yt, yt + O); continue; }
     for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
-      const int64_t r1 = std::min(M, r0 + kMaxRows);
-      rows_tile(r1 - r0, x + r0 * I, I, w, yt + r0 * O, O);
+      const int64_t m = std::min(M, r0 + kMaxRows) - r0;
+      const float* xr = x + r0 * 2 * J;
+      if (wide && m >= 3) rows_tile512(m, xr, J, w, yt + r0 * O, O);
+      else if (m == 1) pair_tile<false>(xr, xr, w, J, yt + r0 * O, yt + r0 * O);
+      else if (m == 2) pair_tile<true>(xr, xr + 2 * J, w, J, yt + r0 * O, yt + (r0 + 1) * O);
+      else rows_tile(m, xr, J, w, yt + r0 * O, O);
     }
   }
+}
+
+// Tiles [t0, t1) of one call on AMX, rows in blocks of at most 16 (the tiles' rows).
+static void amx_tiles(int64_t t0, int64_t t1, int64_t M, int64_t J, int64_t O, const uint32_t* xp,
+                      const uint16_t* W, float* y) {
+  for (int64_t r0 = 0; r0 < M; r0 += 16) {
+    const int64_t m = std::min<int64_t>(M - r0, 16);
+    amx_configure(m);
+    for (int64_t t = t0; t < t1; ++t) amx_tile(xp + r0 * J, J, W + t * J * kPairStride, y + r0 * O + t * kTile, O);
+  }
+  amx_release();
 }
 
 // One call's work, shared by the calling thread and the pool tasks it schedules. Spans of
@@ -239,35 +304,52 @@ static void tiles(int64_t t0, int64_t t1, int64_t M, int64_t I, int64_t O, const
 // other work (so concurrent calls on a small pool cannot deadlock). A task that starts after
 // the call returned finds nothing to claim; the shared_ptr keeps this state alive for it.
 struct Job {
-  int64_t M, I, O, tiles, spans;
-  std::vector<float> x;  // the rows widened to float32 once
+  int64_t M, J, O, tiles, spans;
+  std::vector<float> x;      // the FMA loops: the rows widened to float32 once, padded to 2 * J inputs
+  std::vector<uint32_t> xp;  // AMX: the rows as bf16 pairs, padded to J pairs
   const uint16_t* W;
   float* y;
   std::atomic<int64_t> next{0}, done{0};
 
   void Work() {
+    // The FMA loops flush denormals (FTZ | DAZ), on this thread, for this call.
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040u);
+    const int set = loop_set();
     for (int64_t s; (s = next.fetch_add(1, std::memory_order_relaxed)) < spans;) {
-      tiles_span(s * tiles / spans, (s + 1) * tiles / spans);
+      const int64_t t0 = s * tiles / spans, t1 = (s + 1) * tiles / spans;
+      if (set == 2) amx_tiles(t0, t1, M, J, O, xp.data(), W, y);
+      else fma_tiles(t0, t1, M, J, O, x.data(), W, y, set == 1);
       done.fetch_add(1, std::memory_order_release);
     }
+    _mm_setcsr(csr);
   }
-  void tiles_span(int64_t t0, int64_t t1) { ::tiles(t0, t1, M, I, O, x.data(), W, y); }
 };
 
 static ffi::Error GemvBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
                           ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || wd[2] != kTile || wd[1] != xd[1])
-    return ffi::Error::InvalidArgument("gemv_bf16: x [M, I] and packed w [O/32, I, 32] expected");
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != 2 * kTile || wd[1] != ((xd[1] + 1) / 2 + 15) / 16 * 16)
+    return ffi::Error::InvalidArgument("gemv_bf16: x [M, I] and packed w [O/32, J, 64] expected, "
+                                       "J = ceil(I / 2) rounded up to a multiple of 16");
   auto job = std::make_shared<Job>();
-  job->M = xd[0]; job->I = xd[1]; job->tiles = wd[0]; job->O = wd[0] * kTile;
+  const int64_t I = xd[1];
+  job->M = xd[0]; job->J = wd[1]; job->tiles = wd[0]; job->O = wd[0] * kTile;
   job->W = reinterpret_cast<const uint16_t*>(w.typed_data());
   job->y = y->typed_data();
-  job->x.resize(job->M * job->I);
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.typed_data());
-  for (int64_t j = 0; j < job->M * job->I; ++j) {
-    const uint32_t u = uint32_t(xs[j]) << 16;
-    std::memcpy(&job->x[j], &u, 4);
+  const int64_t width = 2 * job->J;  // inputs past I are zero (their packed weights are zero too)
+  if (loop_set() == 2) {
+    job->xp.assign(job->M * job->J, 0u);
+    for (int64_t m = 0; m < job->M; ++m)
+      for (int64_t i = 0; i < I; ++i) job->xp[m * job->J + i / 2] |= uint32_t(xs[m * I + i]) << (16 * (i % 2));
+  } else {
+    job->x.assign(job->M * width, 0.0f);
+    for (int64_t m = 0; m < job->M; ++m)
+      for (int64_t i = 0; i < I; ++i) {
+        const uint32_t u = uint32_t(xs[m * I + i]) << 16;
+        std::memcpy(&job->x[m * width + i], &u, 4);
+      }
   }
   // Small weights (a few tiles) stay on the calling thread: a hand-off costs more than it saves.
   const int64_t workers = job->tiles < 8 ? 1 : std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), job->tiles));

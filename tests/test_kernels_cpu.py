@@ -76,11 +76,12 @@ np.save(sys.argv[1], np.stack([np.asarray(kernels_cpu.matmul(x[:m], w))[0] for m
 
 
 @needs_kernel
-@pytest.mark.skipif(kernels_cpu.instruction_set() != "avx512f", reason="this CPU runs the AVX2 loops only")
+@pytest.mark.skipif("avx512f" not in kernels_cpu._cpu_flags(), reason="this CPU runs the AVX2 loops only")
 def test_avx512_loops_give_the_avx2_bits(tmp_path):
     """Where AVX-512F runs 3+ rows, its sums are bitwise those of the AVX2 loops (same FMA
     order per element), so a model's tokens do not depend on which of the two a host has.
-    The library picks its loops once per process, so each set runs in a fresh one."""
+    (AMX, where present, rounds its own way; here it is turned off.) The library picks its
+    loops once per process, so each set runs in a fresh one."""
     import os
     import subprocess
     import sys
@@ -89,18 +90,22 @@ def test_avx512_loops_give_the_avx2_bits(tmp_path):
     for loops, extra_env in (("avx512f", {}), ("avx2", {"PEAGLE_CPU_KERNEL_AVX2": "1"})):
         out = tmp_path / f"{loops}.npy"
         env = {k: v for k, v in os.environ.items() if k != "PEAGLE_CPU_KERNEL_AVX2"} | extra_env
+        env["PEAGLE_CPU_KERNEL_NO_AMX"] = "1"
         subprocess.run([sys.executable, "-c", _ROW0_SCRIPT, str(out)], check=True, env=env, timeout=300)
         rows0[loops] = np.load(out)
     assert np.array_equal(rows0["avx512f"], rows0["avx2"]), "the AVX-512 loops round differently from the AVX2 ones"
 
 
 def test_pack_layout_and_bad_width():
-    w = jnp.arange(4 * 64, dtype=jnp.float32).reshape(4, 64)
+    w = jnp.arange(5 * 64, dtype=jnp.float32).reshape(5, 64)
     packed = kernels_cpu.pack(w)
-    assert packed.shape == (2, 4, 32) and packed.dtype == jnp.bfloat16
-    # tile 1, input 2: columns 32-63, each 16-column half interleaved (c0, c8, c1, c9, ...)
-    order = [32 + 16 * h + 8 * p + j for h in range(2) for j in range(8) for p in range(2)]
-    assert np.array_equal(np.asarray(packed[1, 2], np.float32), np.asarray(w[2, np.asarray(order)]))
+    assert packed.shape == (2, 16, 64) and packed.dtype == jnp.bfloat16  # 3 input pairs, padded to 16
+    # tile 1, pair 1: columns 32-63, each column's inputs 2 and 3 side by side
+    want = np.stack([np.asarray(w[2, 32:]), np.asarray(w[3, 32:])], axis=1).reshape(-1)
+    assert np.array_equal(np.asarray(packed[1, 1], np.float32), want)
+    # pair 2 holds input 4 and a zero; pairs 3-15 are zero
+    assert np.array_equal(np.asarray(packed[0, 2, 1::2], np.float32), np.zeros(32))
+    assert not np.any(np.asarray(packed[:, 3:], np.float32))
     with pytest.raises(ValueError, match="not a multiple of 32"):
         kernels_cpu.pack(jnp.zeros((4, 48), jnp.bfloat16))
 
