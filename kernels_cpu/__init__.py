@@ -116,7 +116,7 @@ def pack(w: BFloat16[Array, "I O"]) -> BFloat16[Array, "T J 64"]:
     i, o = w.shape
     if o % TILE:
         raise ValueError(f"kernels_cpu.pack: the output width {o} is not a multiple of {TILE}")
-    pairs = -(-(-(-i // 2)) // 16) * 16
+    pairs = ((i + 1) // 2 + 15) // 16 * 16
     w = jnp.concatenate([w.astype(jnp.bfloat16), jnp.zeros((2 * pairs - i, o), jnp.bfloat16)])
     return w.reshape(pairs, 2, o // TILE, TILE).transpose(2, 0, 3, 1).reshape(o // TILE, pairs, 2 * TILE)
 
