@@ -211,12 +211,15 @@ def test_forward_rows_tiny(tmp_path):
     import kernels_cpu
 
     assert (out / "forward_rows.md").stat().st_size > 0
-    assert [r["matmul"] for r in s["results"]] == ["cpu_kernel"] * kernels_cpu.available() + ["xla"] * 4
+    # the matmul kernel with its attention kernel and with XLA's, then XLA's four settings
+    kernel = 2 * kernels_cpu.available()
+    assert [r["matmul"] for r in s["results"]] == ["cpu_kernel"] * kernel + ["xla"] * 4
+    assert [r["attention"] for r in s["results"][:kernel]] == ["cpu", "xla"][:kernel]
     for r in s["results"]:
         assert all(_finite_positive(v) for v in r["ms_per_forward"].values())
-    # with every measure on, and on the kernel, row 0 is bitwise the same at 1, 2 and 8 rows
+    # with every measure on, and on the kernels, row 0 is bitwise the same at 1, 2 and 8 rows
     both = [r for r in s["results"] if r["fusion_option"] and (r["rowwise_attention"] or r["matmul"] == "cpu_kernel")]
-    assert all(r["row0_bitwise_invariant"] for r in both) and len(both) == 1 + kernels_cpu.available()
+    assert all(r["row0_bitwise_invariant"] for r in both) and len(both) == 1 + kernel
 
 
 @pytest.mark.slow
