@@ -56,8 +56,8 @@ def _cpu_has_avx2_fma() -> bool:
 def instruction_set() -> str:
     """The matmul loops the library runs here: "amx" (tile dot products for every row count),
     "avx512f" (512-bit FMAs for 3+ rows, AVX2 for 1-2) or "avx2" (gemv_bf16.cc; the two FMA
-    sets give the same bits). PEAGLE_CPU_KERNEL_NO_AMX=1 rules out "amx" and
-    PEAGLE_CPU_KERNEL_AVX2=1 forces "avx2" (the library reads both once per process)."""
+    sets give the same bits). PEAGLE_CPU_KERNEL_NO_AMX=1 rules out "amx"; where AMX is not
+    used, PEAGLE_CPU_KERNEL_AVX2=1 forces "avx2" (the library reads both once per process)."""
     if available():
         return ("avx2", "avx512f", "amx")[ctypes.cdll.LoadLibrary(str(LIBRARY)).peagle_gemv_loop_set()]
     flags = _cpu_flags()

@@ -76,9 +76,9 @@ static void pair_tile(const float* x0, const float* x1, const uint16_t* w, int64
   }
 }
 
-// R rows x half a tile (16 columns, 16 packed lanes) x the pairs j0 .. j1; running sums in acc
-// [R, 32] (the half's columns at the offset the caller gives)
-// between chunks (a float32 store and load, exact). Two widened pairs of vectors serve all R rows.
+// R rows x half a tile (16 columns, 16 packed lanes) x the pairs j0 .. j1. The running sums stay
+// in acc [R, 32] between chunks, the half's columns at the offset the caller gives (a float32
+// store and load, exact). Two widened pairs of vectors serve all R rows.
 template <int R>
 static void rows_half_chunk(const float* x, int64_t J, const uint16_t* w, int64_t j0, int64_t j1, float* acc,
                             bool prefetch) {
@@ -238,8 +238,9 @@ static bool amx_usable() {
 }
 
 // Which loops run here, chosen once per process: 2 = AMX (every row count), 1 = AVX-512F FMAs
-// (3+ rows; AVX2 for 1-2), 0 = AVX2 only. PEAGLE_CPU_KERNEL_NO_AMX=1 rules out 2 and
-// PEAGLE_CPU_KERNEL_AVX2=1 forces 0 (tests compare the FMA sets' bits; benchmarks time them).
+// (3+ rows; AVX2 for 1-2), 0 = AVX2 only. PEAGLE_CPU_KERNEL_NO_AMX=1 rules out 2; where AMX is
+// not used, PEAGLE_CPU_KERNEL_AVX2=1 forces 0 (tests compare the FMA sets' bits; benchmarks
+// time them).
 static int loop_set() {
   static const int set = [] {
     if (std::getenv("PEAGLE_CPU_KERNEL_NO_AMX") == nullptr && amx_usable()) return 2;
