@@ -1,9 +1,10 @@
 """Cost of one speculative round vs one plain decode step, and the break-even acceptance length.
 
 Speculation pays when  AL x t(decode step) > t(round)  (AL = tokens per target forward). This
-script times `spec_round` itself, jitted, on a prefilled state (same call repeated on the same
-input state, so every timing is one round at the same context length), for method none and
-each (method, K), and reports:
+script times `spec_round` itself on a prefilled state: one jitted program runs
+`--rounds-per-call` rounds back to back, as the decode loop does, and every timed call starts
+from the same input state (copied untimed, then donated). For method none and each
+(method, K) it reports:
   * ms per round and its cost relative to one decode step (= the break-even AL),
   * the speed-up a round would give at a given AL (`--at-al`, e.g. your measured ones).
 It isolates the hardware question ("how expensive is a K+1-row verify here?") from the head
@@ -14,6 +15,7 @@ with the rows); on GPU the two are nearly equal, which is where the paper's spee
 
   .venv/bin/python -m benchmarks.round_cost [--peagle-head DIR --eagle3-head DIR | --random-heads]
       [--ks 3 5 7] [--batch-sizes 1 4] [--context 256] [--context-source text|random] [--repeats 20]
+      [--rounds-per-call 8]
       [--at-al 2 3] [--temperature 0.7 --top-p 0.95 [--mixed]]
 
 The committed context is real chat text by default (MT-Bench first turns in the chat template,
@@ -49,6 +51,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--context", type=int, default=256, help="prompt tokens before the timed rounds")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--rounds-per-call", type=int, default=8,
+                    help="rounds run back to back in each timed program (times are per round)")
     ap.add_argument("--at-al", type=float, nargs="*", default=[2.0, 3.0], help="report speed-ups at these ALs")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--temperature", type=float, default=0.0, help="> 0: time sampled rounds (rejection sampling)")
@@ -59,8 +63,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="with --temperature: also time batches of one sampled row and B-1 greedy rows")
     ap.add_argument("--out", default="results/round_cost")
     a = ap.parse_args(argv)
-    if a.context < 2 or a.repeats < 1 or any(k < 1 for k in a.ks) or any(b < 1 for b in a.batch_sizes):
-        ap.error("--context >= 2, --repeats >= 1, --ks >= 1 and --batch-sizes >= 1")
+    if (a.context < 2 or a.repeats < 1 or a.rounds_per_call < 1 or any(k < 1 for k in a.ks)
+            or any(b < 1 for b in a.batch_sizes)):
+        ap.error("--context >= 2, --repeats >= 1, --rounds-per-call >= 1, --ks >= 1 and --batch-sizes >= 1")
     if a.mixed and a.temperature <= 0:
         ap.error("--mixed needs --temperature > 0")
     return a
@@ -87,7 +92,10 @@ def _models(args):
 
 
 @functools.cache
-def _jitted(target_def, drafter_def, method: str, k: int, capacity: int, greedy: bool):
+def _jitted(target_def, drafter_def, method: str, k: int, capacity: int, out_size: int, greedy: bool, rounds: int):
+    import jax
+    import jax.numpy as jnp
+
     from peagle_jax.generate.speculative import merge_models
     from peagle_jax.generate.steps import (
         SpecConfig,
@@ -98,37 +106,54 @@ def _jitted(target_def, drafter_def, method: str, k: int, capacity: int, greedy:
         step_jit,
     )
 
-    config = SpecConfig(method, k, greedy, capacity, 64)
+    config = SpecConfig(method, k, greedy, capacity, out_size)
 
     def init(ts, ds, tokens, lens, max_new, sp, eos, key):
         target, drafter = merge_models(target_def, ts, drafter_def, ds)
         return prefill(target, drafter, tokens, lens, config, max_new=max_new, sp=sp, eos_ids=eos, key=key)
 
-    def one_round(ts, ds, state):
+    # `rounds` rounds back to back in one program, as the decode loop runs them: a lone jitted
+    # call also pays for launching the program and waking the thread pool (about 2 ms here).
+    def some_rounds(ts, ds, state):
         target, drafter = merge_models(target_def, ts, drafter_def, ds)
-        return spec_round(target, drafter, state, config)
+        return jax.lax.fori_loop(0, rounds, lambda _, s: spec_round(target, drafter, s, config), state)
 
-    def draft_only(ts, ds, state):
+    def some_drafts(ts, ds, state):
         target, drafter = merge_models(target_def, ts, drafter_def, ds)
         settings = draft_settings(config, state, state.key, target.config.vocab_size)
-        proposal = drafter.propose(state.drafter_cache, pending_rows(state), settings)
-        return proposal.tokens, proposal.q
 
-    return step_jit(init), step_jit(one_round), (step_jit(draft_only) if method != "none" else None)
+        def one(_, carry):  # the proposal's cache feeds the next pass, so no pass is hoisted out
+            cache, tokens = carry
+            proposal = drafter.propose(cache, pending_rows(state), settings)
+            return proposal.cache, tokens + proposal.tokens
+
+        return jax.lax.fori_loop(0, rounds, one, (state.drafter_cache, jnp.zeros((state.done.shape[0], k), jnp.int32)))
+
+    # The round donates its state, as the decode loop and the server do: an undonated state
+    # makes XLA copy the whole KV cache in every call.
+    return (step_jit(init), step_jit(some_rounds, donate_argnames=("state",)),
+            (step_jit(some_drafts) if method != "none" else None))
 
 
 def interleaved_medians(programs: dict[Any, tuple[Any, tuple]], repeats: int) -> dict[Any, float]:
     """{key: median seconds} of each (jitted fn, args), timed round-robin: every pass runs each
-    program once, so a machine that slows down or speeds up mid-run shifts them all alike."""
+    program once, so a machine that slows down or speeds up mid-run shifts them all alike.
+    A program's last argument is copied before each call, untimed: a program that donates it
+    (the round) then runs on the same input every time."""
     import jax
+    import jax.numpy as jnp
+
+    def fresh(args: tuple) -> tuple:
+        return jax.block_until_ready((*args[:-1], jax.tree.map(jnp.copy, args[-1])))
 
     for fn, args in programs.values():
-        jax.block_until_ready(fn(*args))  # compile (and warm) before any timing
+        jax.block_until_ready(fn(*fresh(args)))  # compile (and warm) before any timing
     times: dict[Any, list[float]] = {key: [] for key in programs}
     for _ in range(repeats):
         for key, (fn, args) in programs.items():
+            call = fresh(args)
             t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
+            jax.block_until_ready(fn(*call))
             times[key].append(time.perf_counter() - t0)
     return {key: float(np.median(t)) for key, t in times.items()}
 
@@ -152,11 +177,12 @@ def context_tokens(tokenizer, vocab_size: int, batch: int, context: int, source:
 
 def round_programs(target, drafter, method: str, k: int, batch: int, context: int, temperature: float = 0.0,
                    top_p: float = 1.0, *, tokens: np.ndarray | None = None,
-                   sampled_rows: int | None = None) -> dict[str, tuple[Any, tuple]]:
-    """{"round": ..., "draft": ...} (fn, args) pairs: one jitted `spec_round` at `context` committed
-    tokens (`tokens` [batch, context], random ids if None), and its draft step alone (absent for
-    method none). Greedy unless `temperature` > 0 (then exact rejection sampling with that
-    temperature and top-p, on every row or on the first `sampled_rows`, the rest greedy)."""
+                   sampled_rows: int | None = None, rounds: int = 8) -> dict[str, tuple[Any, tuple]]:
+    """{"round": ..., "draft": ...} (fn, args) pairs: one jitted program of `rounds` `spec_round`s
+    from `context` committed tokens (`tokens` [batch, context], random ids if None), and one of
+    as many draft steps alone (absent for method none); divide their times by `rounds`. Greedy
+    unless `temperature` > 0 (then exact rejection sampling with that temperature and top-p, on
+    every row or on the first `sampled_rows`, the rest greedy)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -166,15 +192,17 @@ def round_programs(target, drafter, method: str, k: int, batch: int, context: in
 
     target_def, ts = nnx.split(target)
     drafter_def, ds = nnx.split(drafter) if drafter is not None else (None, None)
-    capacity = cache_capacity(context, 64, k)
-    init, one_round, draft_only = _jitted(target_def, drafter_def, method, k, capacity, temperature == 0.0)
+    budget = 64 + rounds * (k + 1)  # no sequence finishes within the timed rounds
+    capacity = cache_capacity(context, budget, k)
+    init, one_round, draft_only = _jitted(target_def, drafter_def, method, k, capacity, budget, temperature == 0.0,
+                                          rounds)
     if tokens is None:
         tokens = context_tokens(None, target.config.vocab_size, batch, context, "random")
     tokens = jnp.asarray(tokens, jnp.int32)
     sp = SamplingParams.full(batch, temperature, 0, top_p)
     if sampled_rows is not None:
         sp = sp._replace(temperature=jnp.where(jnp.arange(batch) < sampled_rows, temperature, 0.0))
-    state = init(ts, ds, tokens, jnp.full((batch,), context, jnp.int32), jnp.full((batch,), 64, jnp.int32),
+    state = init(ts, ds, tokens, jnp.full((batch,), context, jnp.int32), jnp.full((batch,), budget, jnp.int32),
                  sp, jnp.asarray([-1], jnp.int32), jax.random.split(jax.random.key(0), batch))
     programs = {"round": (one_round, (ts, ds, state))}
     if draft_only is not None:
@@ -200,9 +228,9 @@ def run(args) -> dict[str, Any]:
         programs = {}
         for label, temp, ns, method, drafter, k in jobs:
             for part, prog in round_programs(target, drafter, method, k, b, args.context, temp, args.top_p,
-                                             tokens=tokens, sampled_rows=ns).items():
+                                             tokens=tokens, sampled_rows=ns, rounds=args.rounds_per_call).items():
                 programs[(label, method, k, part)] = prog
-        medians = interleaved_medians(programs, args.repeats)
+        medians = {key: t / args.rounds_per_call for key, t in interleaved_medians(programs, args.repeats).items()}
         base = medians[("greedy", "none", 0, "round")]
         for label, _, _, method, _, k in jobs:
             t, d = medians[(label, method, k, "round")], medians.get((label, method, k, "draft"))
@@ -216,6 +244,7 @@ def run(args) -> dict[str, Any]:
                   "decode steps", flush=True)
     return {"target": args.target, "dtype": args.dtype, "context": args.context,
             "context_source": args.context_source if tokenizer is not None else "random", "repeats": args.repeats,
+            "rounds_per_call": args.rounds_per_call,
             "at_al": args.at_al, "heads": {m: (getattr(args, f"{m}_head") or "RANDOM WEIGHTS") for m in drafters},
             "machine": common.machine_info(), "results": rows, "timing": "interleaved round-robin"}
 

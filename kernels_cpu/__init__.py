@@ -35,8 +35,10 @@ from jaxtyping import Array, BFloat16, Float, Int
 
 TILE = 32  # output columns per packed tile (4 x 8 float32 lanes)
 SOURCES = (Path(__file__).with_name("gemv_bf16.cc"), Path(__file__).with_name("attention_bf16.cc"))
+HEADERS = (Path(__file__).with_name("spans.h"), Path(__file__).with_name("bf16.h"))  # a change rebuilds too
 LIBRARY = Path(__file__).parent / "_build" / "libpeagle_cpu.so"
 TARGET_NAME = "peagle_gemv_bf16"
+TARGET_BF16_OUT = "peagle_gemv_bf16_to_bf16"  # the same sums, rounded to bf16 in the kernel
 ATTENTION_TARGET = "peagle_cache_attention_bf16"
 
 
@@ -68,7 +70,7 @@ def instruction_set() -> str:
 
 def build(force: bool = False) -> Path:
     """Compile the library next to this file (atomically: a failed build never replaces a good one)."""
-    if LIBRARY.exists() and not force and LIBRARY.stat().st_mtime >= max(s.stat().st_mtime for s in SOURCES):
+    if LIBRARY.exists() and not force and LIBRARY.stat().st_mtime >= max(s.stat().st_mtime for s in SOURCES + HEADERS):
         return LIBRARY
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
@@ -99,6 +101,7 @@ def unavailable_reason() -> str | None:
     except (RuntimeError, OSError) as e:
         return str(e)
     jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(lib.peagle_gemv_bf16), platform="cpu")
+    jax.ffi.register_ffi_target(TARGET_BF16_OUT, jax.ffi.pycapsule(lib.peagle_gemv_bf16_to_bf16), platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.peagle_cache_attention_bf16), platform="cpu")
     return None
 
@@ -121,13 +124,20 @@ def pack(w: BFloat16[Array, "I O"]) -> BFloat16[Array, "T J 64"]:
     return w.reshape(pairs, 2, o // TILE, TILE).transpose(2, 0, 3, 1).reshape(o // TILE, pairs, 2 * TILE)
 
 
-def matmul(x: BFloat16[Array, "*lead I"], packed: BFloat16[Array, "T J 64"]) -> Float[Array, "*lead O"]:
-    """x @ w in float32, w given as `pack(w)`; any number of leading rows."""
+def matmul(x: BFloat16[Array, "*lead I"], packed: BFloat16[Array, "T J 64"],
+           out_dtype=jnp.float32) -> Float[Array, "*lead O"]:
+    """x @ w summed in float32, w given as `pack(w)`; any number of leading rows. With
+    out_dtype bfloat16 the kernel rounds the sums itself (to nearest even, the bits XLA's
+    convert gives), which spares the graph a convert after every call."""
     lead, i = x.shape[:-1], x.shape[-1]
     rows = 1
     for d in lead:
         rows *= d
-    out = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct((rows, packed.shape[0] * TILE), jnp.float32))(
+    bf16_out = jnp.dtype(out_dtype) == jnp.bfloat16
+    if not bf16_out and jnp.dtype(out_dtype) != jnp.float32:
+        raise ValueError(f"kernels_cpu.matmul: out_dtype must be float32 or bfloat16, got {out_dtype}")
+    shape = jax.ShapeDtypeStruct((rows, packed.shape[0] * TILE), jnp.bfloat16 if bf16_out else jnp.float32)
+    out = jax.ffi.ffi_call(TARGET_BF16_OUT if bf16_out else TARGET_NAME, shape)(
         x.reshape(rows, i).astype(jnp.bfloat16), packed)
     return out.reshape(*lead, packed.shape[0] * TILE)
 
@@ -144,13 +154,14 @@ def cache_attention(
 ) -> BFloat16[Array, "B T H D"]:
     """Query row (b, t) attends to cache rows s <= q_positions[b, t] outside [skip_lo, skip_hi)
     (the layout and mask of `kernels_pallas.cache_attention`), softmax in float32; bf16 in and out.
-    Every row is computed alone over its visible keys, in increasing position (attention_bf16.cc)."""
+    Each row sums over its own visible keys in increasing position, whatever shares the call
+    (attention_bf16.cc), so its bits do not depend on the row count."""
     b, t, h, d = q.shape
     if k_cache.dtype != jnp.bfloat16 or v_cache.dtype != jnp.bfloat16:
         raise ValueError(f"kernels_cpu.cache_attention: bf16 caches only, got {k_cache.dtype} / {v_cache.dtype}")
-    if d % 8 or d > 256 or h % k_cache.shape[1] or h // k_cache.shape[1] > 16:
+    if d % 8 or d > 256 or h % k_cache.shape[1]:
         raise ValueError(f"kernels_cpu.cache_attention: head_dim {d} must be a multiple of 8 up to 256, and the "
-                         f"{h} query heads 1-16 per kv head ({k_cache.shape[1]} kv heads)")
+                         f"{h} query heads a multiple of the {k_cache.shape[1]} kv heads")
     if (why := unavailable_reason()) is not None:  # builds and registers the library on first use
         raise RuntimeError(f"kernels_cpu.cache_attention cannot run here: {why}")
     if sm_scale is None:
@@ -159,7 +170,7 @@ def cache_attention(
         raise ValueError("skip_lo and skip_hi go together: pass both or neither")
     if skip_lo is None:
         skip_lo = skip_hi = jnp.zeros((b, t), jnp.int32)
-    out = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct((b, t, h, d), jnp.float32))(
+    out = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16))(
         q.astype(jnp.bfloat16), k_cache, v_cache, q_positions.astype(jnp.int32), skip_lo.astype(jnp.int32),
         skip_hi.astype(jnp.int32), scale=np.float32(sm_scale))
     return out.astype(q.dtype)

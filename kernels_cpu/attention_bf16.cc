@@ -6,40 +6,38 @@
 //
 // Why a kernel: XLA:CPU ran the blockwise reference as a loop of tiny batched products, about
 // 0.14 ms per layer for one query row at 256 cached positions (a fifth of a SmolLM2 decode step)
-// and 0.85 ms at 4 sequences x 4 rows. Here every query row is one pass over its visible keys.
+// and 0.85 ms at 4 sequences x 4 rows.
 //
-// Exactness: each query row is computed alone, by the same instructions whatever else is in the
-// call, and its sums run over its visible keys in increasing position, indexed by the order they
-// are visited rather than by where they lie. So a row's result does not depend on the number of
-// rows (decode step vs verify), on how far other rows reach, or on where its keys sit in the
-// cache (a tree verify's second chain, which skips the first chain's rows, gets the bits of the
-// same row at its natural place). peagle_jax's exact speculation rests on that.
+// Layout of the work: one item is up to 8 query heads of one kv head in one sequence, one per
+// float lane, taken from any of the call's rows (a verify's T rows x G heads share each key).
+// Each key is widened once and scored for all 8 lanes; the 8 dot products end in one transposed
+// add tree (sum8x8) instead of 8 horizontal sums, and the values are weighed with the
+// accumulators in registers. At 4 verify rows this is about twice as fast as a row at a time.
+//
+// Exactness: every lane runs the same instructions on its own data, whatever else is in the call,
+// and its sums run over its visible keys in increasing position. A key one lane does not see
+// weighs exactly 0 there, and adding 0 changes no sum. So a row's result does not depend on the
+// number of rows (decode step vs verify), on how far other rows reach, or on where its keys sit
+// in the cache (a tree verify's second chain, which skips the first chain's rows, gets the bits of
+// the same row at its natural place). peagle_jax's exact speculation rests on that.
 #include <immintrin.h>
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <vector>
+#include "bf16.h"
+#include "spans.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-// 8 bf16 -> 8 float32, exactly.
-inline __m256 load8_bf16(const uint16_t* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-}
-
-// Sum of the 8 lanes, in a fixed order.
-inline float hsum8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
+using peagle::load8_bf16;
 
 // exp(x) for x <= 0 (Cephes' polynomial, about 1 ulp); inputs below -87 give ~1e-38, not 0.
 inline __m256 exp8(__m256 x) {
@@ -60,101 +58,168 @@ inline __m256 exp8(__m256 x) {
 }
 
 constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kLanes = 8;  // query heads per item: one float lane each
 
 struct Problem {
   int64_t B, T, H, KVH, S, D;
   float scale;
   const uint16_t *q, *k, *v;
   const int32_t *pos, *lo, *hi;
-  float* out;
+  uint16_t* out;  // bf16, rounded from the float32 result
+  int64_t tiles;  // items per (b, kv head): its T * G query heads split into this many lane sets
 };
 
-constexpr int64_t kMaxGroup = 16;  // query heads per kv head
+// Eight score vectors (one per query head, 8 partial sums each) -> one vector of the eight
+// heads' sums. Every lane gets the same tree, ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)),
+// so a head's score does not depend on the lane it sits in or on what the other lanes hold.
+inline __m256 sum8x8(const __m256* a) {
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
 
-// The G query heads of kv head `kvh` at row (b, t): scores of their visible keys in visit order,
-// their softmax, then the weighted sum of the values. The G heads share each key and value as it
-// is widened; every head's sums still run over the keys one by one in visit order.
-// `scores` holds at least G * (S + 8) floats, `keys` S ints.
-void attend_group(const Problem& p, int64_t item, float* scores, int32_t* keys) {
-  const int64_t D = p.D, G = p.H / p.KVH, kvh = item % p.KVH, bt = item / p.KVH, b = bt / p.T;
-  const int64_t stride = p.S + 8;
-  const uint16_t* qr = p.q + (bt * p.H + kvh * G) * D;
-  const uint16_t* kb = p.k + (b * p.KVH + kvh) * p.S * D;
-  const uint16_t* vb = p.v + (b * p.KVH + kvh) * p.S * D;
-  float* out = p.out + (bt * p.H + kvh * G) * D;
-  const int64_t last = std::min<int64_t>(p.pos[bt], p.S - 1);
-  const int64_t lo = p.lo[bt], hi = p.hi[bt];
-
-  alignas(32) float qf[kMaxGroup * kMaxHeadDim];
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(qf + g * D + d, load8_bf16(qr + g * D + d));
-
-  int64_t n = 0;
-  float m[kMaxGroup];
-  for (int64_t g = 0; g < G; ++g) m[g] = -INFINITY;
-  __m256 kv[kMaxHeadDim / 8];
-  for (int64_t s = 0; s <= last; ++s) {
-    if (s >= lo && s < hi) continue;
-    const uint16_t* ks = kb + s * D;
-    for (int64_t d = 0; d < D; d += 8) kv[d / 8] = load8_bf16(ks + d);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = qf + g * D;
-      __m256 acc = _mm256_mul_ps(_mm256_load_ps(qg), kv[0]);
-      for (int64_t d = 8; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_load_ps(qg + d), kv[d / 8], acc);
-      const float sc = hsum8(acc) * p.scale;
-      scores[g * stride + n] = sc;
-      m[g] = std::max(m[g], sc);
-    }
-    keys[n] = static_cast<int32_t>(s);
-    ++n;
-  }
-  if (n == 0) {  // rows that see nothing (padding): zeros
-    std::memset(out, 0, sizeof(float) * G * D);
-    return;
-  }
-  const int64_t padded = (n + 7) / 8 * 8;
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - (padded - 8))), lane));
-  float l[kMaxGroup];
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores + g * stride;
-    const __m256 mv = _mm256_set1_ps(m[g]);
-    __m256 lsum = _mm256_setzero_ps();
-    for (int64_t i = 0; i < padded; i += 8) {
-      __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + i), mv));  // lanes past n: garbage, zeroed
-      if (i + 8 == padded) e = _mm256_and_ps(e, keep);
-      _mm256_storeu_ps(sg + i, e);
-      lsum = _mm256_add_ps(lsum, e);
-    }
-    l[g] = hsum8(lsum);
-  }
-
-  // Values: one 8-wide slice of the head dim at a time, every head accumulating over the keys.
+// Scores of one key for lanes 0..N-1 (the rest 0): per lane, the head-dim chunks in order.
+template <int N>
+inline __m256 key_scores(const float* qf, const uint16_t* ks, int64_t D) {
+  __m256 acc[kLanes];
+  for (int g = 0; g < kLanes; ++g) acc[g] = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; d += 8) {
-    __m256 acc[kMaxGroup];
-    for (int64_t g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+    const __m256 kc = load8_bf16(ks + d);
+    for (int g = 0; g < N; ++g) acc[g] = _mm256_fmadd_ps(_mm256_load_ps(qf + g * D + d), kc, acc[g]);
+  }
+  return sum8x8(acc);
+}
+
+// out[lane] += e[i, lane] * v[keys[i]] over the keys in order, for NH lanes from `lane0`, on
+// two 8-wide chunks of the head dim at a time (accumulators stay in registers).
+template <int NH>
+inline void weigh_values(const float* e, const int32_t* keys, int64_t n, const uint16_t* vb, int64_t D,
+                         int lane0, const float* l, uint16_t* const* out) {
+  for (int64_t d = 0; d < D; d += 16) {
+    const bool two = d + 8 < D;
+    __m256 acc0[NH], acc1[NH];
+    for (int g = 0; g < NH; ++g) acc0[g] = acc1[g] = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; ++i) {
-      const __m256 vv = load8_bf16(vb + static_cast<int64_t>(keys[i]) * D + d);
-      for (int64_t g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(scores[g * stride + i]), vv, acc[g]);
+      const uint16_t* vs = vb + static_cast<int64_t>(keys[i]) * D + d;
+      const __m256 v0 = load8_bf16(vs), v1 = two ? load8_bf16(vs + 8) : _mm256_setzero_ps();
+      for (int g = 0; g < NH; ++g) {
+        const __m256 w = _mm256_broadcast_ss(e + i * kLanes + lane0 + g);
+        acc0[g] = _mm256_fmadd_ps(w, v0, acc0[g]);
+        acc1[g] = _mm256_fmadd_ps(w, v1, acc1[g]);
+      }
     }
-    for (int64_t g = 0; g < G; ++g) _mm256_storeu_ps(out + g * D + d, _mm256_div_ps(acc[g], _mm256_set1_ps(l[g])));
+    for (int g = 0; g < NH; ++g) {
+      const __m256 lv = _mm256_set1_ps(l[lane0 + g]);
+      peagle::store8_bf16(out[lane0 + g] + d, _mm256_div_ps(acc0[g], lv));
+      if (two) peagle::store8_bf16(out[lane0 + g] + d + 8, _mm256_div_ps(acc1[g], lv));
+    }
   }
 }
 
-// Rows are claimed in spans from a counter by the calling thread and the pool tasks (as in
-// gemv_bf16.cc: the caller never waits for a task still queued behind other work).
+template <int NH>
+void weigh_values_groups(const float* e, const int32_t* keys, int64_t n, const uint16_t* vb, int64_t D,
+                         int lanes, const float* l, uint16_t* const* out) {
+  int lane0 = 0;
+  for (; lane0 + NH <= lanes; lane0 += NH) weigh_values<NH>(e, keys, n, vb, D, lane0, l, out);
+  switch (lanes - lane0) {
+    case 3: weigh_values<3>(e, keys, n, vb, D, lane0, l, out); break;
+    case 2: weigh_values<2>(e, keys, n, vb, D, lane0, l, out); break;
+    case 1: weigh_values<1>(e, keys, n, vb, D, lane0, l, out); break;
+    default: break;
+  }
+}
+
+// One item: up to 8 query heads of kv head `kvh` in sequence b (any of its T rows), one per lane.
+// The keys visible to any lane are visited once, in increasing position; a key a lane does not
+// see gets score -inf and weight exactly 0 there, and adding 0 leaves every sum as it was. So each
+// lane's max, normaliser and weighted values are its own visible keys' sums, in order: the bits
+// of the same row computed alone, whatever shares its call and wherever its keys sit in the cache.
+// `e` holds at least 8 * S floats, `keys` S ints.
+template <int N>
+void attend_lanes(const Problem& p, int64_t b, int64_t kvh, int64_t first, float* e, int32_t* keys) {
+  const int64_t D = p.D, G = p.H / p.KVH;
+  alignas(32) float qf[kLanes * kMaxHeadDim];
+  alignas(32) int32_t lpos[kLanes], llo[kLanes], lhi[kLanes];
+  uint16_t* out[kLanes];
+  int64_t last = -1;
+  for (int g = 0; g < kLanes; ++g) {
+    if (g >= N) {
+      lpos[g] = -1, llo[g] = lhi[g] = 0;
+      continue;
+    }
+    const int64_t h = first + g, t = h / G, head = kvh * G + h % G, bt = b * p.T + t;
+    const uint16_t* qr = p.q + (bt * p.H + head) * D;
+    for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(qf + g * D + d, load8_bf16(qr + d));
+    out[g] = p.out + (bt * p.H + head) * D;
+    lpos[g] = static_cast<int32_t>(std::min<int64_t>(p.pos[bt], p.S - 1));
+    llo[g] = p.lo[bt], lhi[g] = p.hi[bt];
+    last = std::max<int64_t>(last, lpos[g]);
+  }
+  const __m256i vpos = _mm256_load_si256(reinterpret_cast<const __m256i*>(lpos));
+  const __m256i vlo = _mm256_load_si256(reinterpret_cast<const __m256i*>(llo));
+  const __m256i vhi = _mm256_load_si256(reinterpret_cast<const __m256i*>(lhi));
+  const __m256 scale = _mm256_set1_ps(p.scale), ninf = _mm256_set1_ps(-INFINITY);
+  const uint16_t* kb = p.k + (b * p.KVH + kvh) * p.S * D;
+  const uint16_t* vb = p.v + (b * p.KVH + kvh) * p.S * D;
+
+  int64_t n = 0;
+  __m256 m = ninf;
+  for (int64_t s = 0; s <= last; ++s) {
+    const __m256i vs = _mm256_set1_epi32(static_cast<int32_t>(s));
+    // seen: s <= pos and not (lo <= s < hi)
+    const __m256i beyond = _mm256_cmpgt_epi32(vs, vpos);
+    const __m256i hidden = _mm256_andnot_si256(_mm256_cmpgt_epi32(vlo, vs), _mm256_cmpgt_epi32(vhi, vs));
+    const __m256 seen = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_or_si256(beyond, hidden), _mm256_set1_epi32(-1)));
+    if (_mm256_movemask_ps(seen) == 0) continue;
+    const __m256 sc = _mm256_blendv_ps(ninf, _mm256_mul_ps(key_scores<N>(qf, kb + s * D, D), scale), seen);
+    _mm256_storeu_ps(e + n * kLanes, sc);
+    m = _mm256_max_ps(m, sc);
+    keys[n++] = static_cast<int32_t>(s);
+  }
+  // weights exp(score - max), exactly 0 where a lane does not see the key; normaliser in key order
+  __m256 lsum = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    const __m256 sc = _mm256_loadu_ps(e + i * kLanes);
+    const __m256 seen = _mm256_cmp_ps(sc, ninf, _CMP_GT_OQ);
+    const __m256 w = _mm256_and_ps(exp8(_mm256_sub_ps(sc, m)), seen);
+    _mm256_storeu_ps(e + i * kLanes, w);
+    lsum = _mm256_add_ps(lsum, w);
+  }
+  alignas(32) float l[kLanes];
+  _mm256_store_ps(l, lsum);
+  for (int g = 0; g < N; ++g)
+    if (l[g] == 0.0f) l[g] = INFINITY;  // a row that sees nothing (padding): 0 / inf = zeros
+  weigh_values_groups<4>(e, keys, n, vb, D, N, l, out);
+}
+
+// Item r of the call: sequence b, kv head kvh, lane set j of its T * G query heads.
+void attend_item(const Problem& p, int64_t r, float* e, int32_t* keys) {
+  const int64_t heads = p.T * (p.H / p.KVH), j = r % p.tiles, kvh = (r / p.tiles) % p.KVH, b = r / (p.tiles * p.KVH);
+  const int64_t first = j * heads / p.tiles, n = (j + 1) * heads / p.tiles - first;
+  switch (n) {
+    case 1: return attend_lanes<1>(p, b, kvh, first, e, keys);
+    case 2: return attend_lanes<2>(p, b, kvh, first, e, keys);
+    case 3: return attend_lanes<3>(p, b, kvh, first, e, keys);
+    case 4: return attend_lanes<4>(p, b, kvh, first, e, keys);
+    case 5: return attend_lanes<5>(p, b, kvh, first, e, keys);
+    case 6: return attend_lanes<6>(p, b, kvh, first, e, keys);
+    case 7: return attend_lanes<7>(p, b, kvh, first, e, keys);
+    case 8: return attend_lanes<8>(p, b, kvh, first, e, keys);
+    default: return;
+  }
+}
+
+// One call's work: spans of items, shared out as spans.h says.
 struct Job {
   Problem p;
-  int64_t rows, spans;  // rows: (b, t, kv head) groups
-  std::atomic<int64_t> next{0}, done{0};
+  peagle::Spans spans;
 
   void Work() {
-    std::vector<float> scores((p.H / p.KVH) * (p.S + 8));
+    std::vector<float> e(kLanes * p.S);
     std::vector<int32_t> keys(p.S);
-    for (int64_t s; (s = next.fetch_add(1, std::memory_order_relaxed)) < spans;) {
-      for (int64_t r = s * rows / spans; r < (s + 1) * rows / spans; ++r) attend_group(p, r, scores.data(), keys.data());
-      done.fetch_add(1, std::memory_order_release);
-    }
+    spans.Claim([&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) attend_item(p, r, e.data(), keys.data());
+    });
   }
 };
 
@@ -162,7 +227,7 @@ struct Job {
 
 static ffi::Error CacheAttentionBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k,
                                      ffi::Buffer<ffi::BF16> v, ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> lo,
-                                     ffi::Buffer<ffi::S32> hi, float scale, ffi::ResultBuffer<ffi::F32> out) {
+                                     ffi::Buffer<ffi::S32> hi, float scale, ffi::ResultBuffer<ffi::BF16> out) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = pos.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || pd.size() != 2)
     return ffi::Error::InvalidArgument("cache_attention_bf16: q [B, T, H, D], k/v [B, KVH, S, D], pos [B, T] expected");
@@ -170,21 +235,22 @@ static ffi::Error CacheAttentionBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16
   if (kd[0] != B || kd[3] != D || vd[0] != B || vd[1] != KVH || vd[2] != S || vd[3] != D || pd[0] != B ||
       pd[1] != T || lo.dimensions()[0] != B || hi.dimensions()[0] != B || KVH == 0 || H % KVH != 0)
     return ffi::Error::InvalidArgument("cache_attention_bf16: mismatched shapes");
-  if (D % 8 != 0 || D > kMaxHeadDim || H / KVH > kMaxGroup)
-    return ffi::Error::InvalidArgument("cache_attention_bf16: head_dim must be a multiple of 8 up to 256, and at most "
-                                       "16 query heads per kv head");
+  if (D % 8 != 0 || D > kMaxHeadDim)
+    return ffi::Error::InvalidArgument("cache_attention_bf16: head_dim must be a multiple of 8 up to 256");
   auto job = std::make_shared<Job>();
   job->p = Problem{B, T, H, KVH, S, D, scale,
                    reinterpret_cast<const uint16_t*>(q.typed_data()), reinterpret_cast<const uint16_t*>(k.typed_data()),
                    reinterpret_cast<const uint16_t*>(v.typed_data()), pos.typed_data(), lo.typed_data(),
-                   hi.typed_data(), out->typed_data()};
-  job->rows = B * T * KVH;
-  if (job->rows == 0) return ffi::Error::Success();
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), job->rows));
-  job->spans = std::min<int64_t>(job->rows, 4 * workers);
-  for (int64_t w = 1; w < workers; ++w) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  while (job->done.load(std::memory_order_acquire) < job->spans) _mm_pause();
+                   hi.typed_data(), reinterpret_cast<uint16_t*>(out->typed_data()), 1};
+  const int64_t heads = T * (H / KVH);
+  int64_t tiles = (heads + kLanes - 1) / kLanes;
+  if (const char* env = std::getenv("PEAGLE_ATTN_TILES")) tiles = std::max<int64_t>(tiles, std::min<int64_t>(heads, std::atoll(env)));
+  job->p.tiles = tiles;
+  const int64_t items = B * KVH * tiles;
+  if (items == 0) return ffi::Error::Success();
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), items));
+  job->spans.Split(items, workers);
+  peagle::RunSpans(pool, job, workers);
   return ffi::Error::Success();
 }
 
@@ -198,4 +264,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(peagle_cache_attention_bf16, CacheAttentionBf16,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("scale")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::BF16>>());

@@ -26,6 +26,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <vector>
+#include "bf16.h"
+#include "spans.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -299,36 +301,41 @@ static void amx_tiles(int64_t t0, int64_t t1, int64_t M, int64_t J, int64_t O, c
   amx_release();
 }
 
-// One call's work, shared by the calling thread and the pool tasks it schedules. Spans of
-// tiles are claimed from a counter: the caller works through them too and then waits only
-// for spans another thread is computing right now, never for a task still queued behind
-// other work (so concurrent calls on a small pool cannot deadlock). A task that starts after
-// the call returned finds nothing to claim; the shared_ptr keeps this state alive for it.
+// One call's work: spans of output tiles, shared out as spans.h says.
 struct Job {
-  int64_t M, J, O, tiles, spans;
+  int64_t M, J, O, tiles;
+  peagle::Spans spans;
   std::vector<float> x;      // the FMA loops: the rows widened to float32 once, padded to 2 * J inputs
   std::vector<uint32_t> xp;  // AMX: the rows as bf16 pairs, padded to J pairs
   const uint16_t* W;
-  float* y;
-  std::atomic<int64_t> next{0}, done{0};
+  float* y;                  // float32 sums: the result, or `sums` when the result is bf16
+  std::vector<float> sums;
+  uint16_t* yb = nullptr;    // the bf16 result, if asked for: each span rounds its own columns
+
+  void Tiles(int64_t t0, int64_t t1, int set) {
+    if (set == 2) amx_tiles(t0, t1, M, J, O, xp.data(), W, y);
+    else fma_tiles(t0, t1, M, J, O, x.data(), W, y, set == 1);
+    if (yb != nullptr)
+      for (int64_t m = 0; m < M; ++m) peagle::to_bf16(y + m * O + t0 * kTile, yb + m * O + t0 * kTile, (t1 - t0) * kTile);
+  }
 
   void Work() {
+    const int set = loop_set();
+    if (set == 2) {
+      spans.Claim([&](int64_t t0, int64_t t1) { Tiles(t0, t1, set); });
+      return;
+    }
     // The FMA loops flush denormals (FTZ | DAZ), on this thread, for this call.
     const unsigned csr = _mm_getcsr();
     _mm_setcsr(csr | 0x8040u);
-    const int set = loop_set();
-    for (int64_t s; (s = next.fetch_add(1, std::memory_order_relaxed)) < spans;) {
-      const int64_t t0 = s * tiles / spans, t1 = (s + 1) * tiles / spans;
-      if (set == 2) amx_tiles(t0, t1, M, J, O, xp.data(), W, y);
-      else fma_tiles(t0, t1, M, J, O, x.data(), W, y, set == 1);
-      done.fetch_add(1, std::memory_order_release);
-    }
+    spans.Claim([&](int64_t t0, int64_t t1) { Tiles(t0, t1, set); });
     _mm_setcsr(csr);
   }
 };
 
-static ffi::Error GemvBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                          ffi::ResultBuffer<ffi::F32> y) {
+// y = x @ W in float32 (y32) or rounded to bf16 (yb16); exactly one of the two is given.
+static ffi::Error Gemv(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::Buffer<ffi::BF16>& w, float* y32,
+                       uint16_t* yb16) {
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || wd[2] != 2 * kTile || wd[1] != ((xd[1] + 1) / 2 + 15) / 16 * 16)
     return ffi::Error::InvalidArgument("gemv_bf16: x [M, I] and packed w [O/32, J, 64] expected, "
@@ -337,7 +344,13 @@ static ffi::Error GemvBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::
   const int64_t I = xd[1];
   job->M = xd[0]; job->J = wd[1]; job->tiles = wd[0]; job->O = wd[0] * kTile;
   job->W = reinterpret_cast<const uint16_t*>(w.typed_data());
-  job->y = y->typed_data();
+  if (y32 != nullptr) {
+    job->y = y32;
+  } else {
+    job->sums.resize(job->M * job->O);
+    job->y = job->sums.data();
+    job->yb = yb16;
+  }
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.typed_data());
   const int64_t width = 2 * job->J;  // inputs past I are zero (their packed weights are zero too)
   if (loop_set() == 2) {
@@ -354,11 +367,19 @@ static ffi::Error GemvBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::
   }
   // Small weights (a few tiles) stay on the calling thread: a hand-off costs more than it saves.
   const int64_t workers = job->tiles < 8 ? 1 : std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), job->tiles));
-  job->spans = std::min<int64_t>(job->tiles, 4 * workers);
-  for (int64_t k = 1; k < workers; ++k) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  while (job->done.load(std::memory_order_acquire) < job->spans) _mm_pause();
+  job->spans.Split(job->tiles, workers);
+  peagle::RunSpans(pool, job, workers);
   return ffi::Error::Success();
+}
+
+static ffi::Error GemvBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                          ffi::ResultBuffer<ffi::F32> y) {
+  return Gemv(pool, x, w, y->typed_data(), nullptr);
+}
+
+static ffi::Error GemvBf16ToBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                                 ffi::ResultBuffer<ffi::BF16> y) {
+  return Gemv(pool, x, w, nullptr, reinterpret_cast<uint16_t*>(y->typed_data()));
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(peagle_gemv_bf16, GemvBf16,
@@ -367,3 +388,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(peagle_gemv_bf16, GemvBf16,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(peagle_gemv_bf16_to_bf16, GemvBf16ToBf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>());

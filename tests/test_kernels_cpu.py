@@ -24,6 +24,7 @@ from peagle_jax.models.layers import (
     Linear,
     PackedKernel,
     fused_linears,
+    kernel_max_rows,
     matmul,
     packed_matmul,
 )
@@ -96,6 +97,23 @@ def test_avx512_loops_give_the_avx2_bits(tmp_path):
     assert np.array_equal(rows0["avx512f"], rows0["avx2"]), "the AVX-512 loops round differently from the AVX2 ones"
 
 
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_bf16_result_is_the_float32_result_rounded(rows):
+    """out_dtype=bfloat16 rounds in the kernel: the bits of XLA converting the float32 result,
+    ties to even included (weights with few significant bits make exact ties common)."""
+    rng = np.random.default_rng(rows)
+    w = jnp.asarray(rng.integers(-8, 9, (96, 64)) / 8.0, jnp.bfloat16)
+    x = jnp.asarray(rng.integers(-64, 65, (rows, 96)) * 2.0 ** rng.integers(-20, 20, (rows, 1)), jnp.bfloat16)
+    packed = kernels_cpu.pack(w)
+    want = np.asarray(kernels_cpu.matmul(x, packed).astype(jnp.bfloat16))
+    got = kernels_cpu.matmul(x, packed, out_dtype=jnp.bfloat16)
+    assert got.dtype == jnp.bfloat16
+    assert np.array_equal(np.asarray(got).view(np.uint16), want.view(np.uint16))
+    with pytest.raises(ValueError, match="out_dtype"):
+        kernels_cpu.matmul(x, packed, out_dtype=jnp.float16)
+
+
 def test_pack_layout_and_bad_width():
     w = jnp.arange(5 * 64, dtype=jnp.float32).reshape(5, 64)
     packed = kernels_cpu.pack(w)
@@ -111,13 +129,17 @@ def test_pack_layout_and_bad_width():
 
 
 @needs_kernel
-def test_long_calls_stay_on_xla():
-    """Prefill-sized calls (more than KERNEL_MAX_ROWS rows per sequence) go through `matmul`."""
+def test_long_calls_follow_the_row_limit():
+    """Without AMX, prefill-sized calls (more than KERNEL_MAX_ROWS rows per sequence) go through
+    `matmul`; with AMX every call goes to the kernel."""
     rng = np.random.default_rng(1)
     w = _bf16(rng, (64, 64), 0.1)
     packed = PackedKernel(kernels_cpu.pack(w))
     long_x = _bf16(rng, (1, KERNEL_MAX_ROWS + 1, 64))
-    assert np.array_equal(np.asarray(packed_matmul(long_x, packed, w)), np.asarray(matmul(long_x, w)))
+    kernel_long = np.asarray(kernels_cpu.matmul(long_x, packed[...]).astype(jnp.bfloat16))
+    want_long = kernel_long if kernels_cpu.instruction_set() == "amx" else np.asarray(matmul(long_x, w))
+    assert kernel_max_rows() == (None if kernels_cpu.instruction_set() == "amx" else KERNEL_MAX_ROWS)
+    assert np.array_equal(np.asarray(packed_matmul(long_x, packed, w)), want_long)
     short_x = long_x[:, :KERNEL_MAX_ROWS]
     got = packed_matmul(short_x, packed, w)
     assert got.dtype == jnp.bfloat16
