@@ -309,7 +309,7 @@ struct Job {
   std::vector<uint32_t> xp;  // AMX: the rows as bf16 pairs, padded to J pairs
   const uint16_t* W;
   float* y;                  // float32 sums: the result, or `sums` when the result is bf16
-  std::vector<float> sums;
+  std::unique_ptr<float[]> sums;  // not zeroed: every tile's sums are stored before they are read
   uint16_t* yb = nullptr;    // the bf16 result, if asked for: each span rounds its own columns
 
   void Tiles(int64_t t0, int64_t t1, int set) {
@@ -347,8 +347,8 @@ static ffi::Error Gemv(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::Bu
   if (y32 != nullptr) {
     job->y = y32;
   } else {
-    job->sums.resize(job->M * job->O);
-    job->y = job->sums.data();
+    job->sums.reset(new float[job->M * job->O]);
+    job->y = job->sums.get();
     job->yb = yb16;
   }
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.typed_data());
