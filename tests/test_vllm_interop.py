@@ -6,7 +6,8 @@ absent (as in CI). The fast tests check the helpers (peer lookup, counters, AL) 
 
 On 4 HumanEval chat prompts, 64 new tokens, batch 1, for each shipped head (EAGLE-3 K=3,
 P-EAGLE in vLLM's parallel-drafting mode K=3 and K=7):
-  * vLLM's speculative greedy output equals vLLM's plain greedy output, token for token;
+  * vLLM's speculative greedy output equals vLLM's plain greedy output, or leaves it at a bf16
+    near-tie (vLLM's verify is not row-invariant; ours must equal our plain output exactly);
   * vLLM accepts drafts (AL > 1.05) and its AL is within AL_TOL of ours for the same head and K;
   * vLLM's plain greedy output equals ours (bf16), or the first differing token is a near-tie:
     both tokens are the float32 model's top two, less than NEAR_TIE apart.
@@ -133,6 +134,17 @@ def _f32_gap(context: list[int], a: int, b: int) -> tuple[float, list[int]]:
     return float(logits[a] - logits[b]), [int(i) for i in np.argsort(-logits)[:2]]
 
 
+def _assert_near_tie(prompt: list[int], a: list[int], b: list[int], d: int, what: str) -> None:
+    """Outputs a and b first differ at token d: that must be a bf16 near-tie (both tokens the
+    float32 model's top two, less than NEAR_TIE apart), not a broken model or head."""
+    assert d < min(len(a), len(b)), f"{what}: one output ends early (EOS ids differ?): {len(a)} vs {len(b)}"
+    gap, top2 = _f32_gap(prompt + a[:d], a[d], b[d])
+    print(f"  {what}, token {d}: {a[d]} vs {b[d]}, float32 gap {gap:+.4f}, float32 top-2 {top2}")
+    assert sorted(top2) == sorted([a[d], b[d]]) and abs(gap) < NEAR_TIE, (
+        f"{what}: first difference at token {d} ({a[d]} vs {b[d]}) is not a bf16 near-tie: "
+        f"float32 gap {gap:+.4f}, top-2 {top2}")
+
+
 @pytest.mark.slow
 def test_vllm_plain_greedy_matches_ours(env):
     ours, theirs = env.ours_plain["outputs"], env.vllm_plain["outputs"]
@@ -140,15 +152,8 @@ def test_vllm_plain_greedy_matches_ours(env):
     print(f"\nours (bf16) vs vLLM plain greedy: {sum(d is None for d in divergences)}/{len(ours)} identical; "
           f"first divergence at {divergences}")
     for i, d in enumerate(divergences):
-        if d is None:
-            continue
-        a, b = ours[i], theirs[i]
-        assert d < min(len(a), len(b)), f"prompt {i}: one output ends early (EOS ids differ?): {len(a)} vs {len(b)}"
-        gap, top2 = _f32_gap(env.prompts[i] + a[:d], a[d], b[d])
-        print(f"  prompt {i} token {d}: ours {a[d]} vLLM {b[d]}, float32 gap {gap:+.4f}, float32 top-2 {top2}")
-        assert sorted(top2) == sorted([a[d], b[d]]) and abs(gap) < NEAR_TIE, (
-            f"prompt {i}: first difference at token {d} (ours {a[d]}, vLLM {b[d]}) is not a bf16 near-tie: "
-            f"float32 gap {gap:+.4f}, top-2 {top2}")
+        if d is not None:
+            _assert_near_tie(env.prompts[i], ours[i], theirs[i], d, f"prompt {i}, ours vs vLLM plain")
 
 
 @pytest.mark.slow
@@ -165,9 +170,13 @@ def test_vllm_speculative_with_our_head(env, method, k):
     print(f"\n{method} K={k}: vLLM {v['tok_s']:.2f} tok/s, AL {vs['al']:.3f}, per position "
           f"{[round(x, 3) for x in vs['acceptance_rate_per_pos']]} ({vs['num_drafts']} drafts) | "
           f"ours AL {os_['al']:.3f}, per position {[round(x, 3) for x in os_['acceptance_rate_per_pos']]}")
+    # vLLM's verify runs K+1-row bf16 products that round unlike its 1-row decode, so its
+    # speculative output may leave its plain output at a near-tie (session 22: 15 of 176
+    # outputs); ours must equal our plain output exactly.
     for i, (a, b) in enumerate(zip(v["outputs"], env.vllm_plain["outputs"], strict=True)):
         d = peer_vllm.first_divergence(a, b)
-        assert d is None, f"prompt {i}: vLLM {method} K={k} differs from vLLM plain from token {d}"
+        if d is not None:
+            _assert_near_tie(env.prompts[i], a, b, d, f"prompt {i}, vLLM {method} K={k} vs vLLM plain")
     assert o["outputs"] == env.ours_plain["outputs"], f"our {method} K={k} differs from our plain greedy output"
     assert vs["num_drafts"] > 0 and vs["al"] > 1.05, f"vLLM accepted (almost) no drafts from {head}: {vs}"
     assert abs(vs["al"] - os_["al"]) <= AL_TOL, f"AL vLLM {vs['al']:.3f} vs ours {os_['al']:.3f} (tolerance {AL_TOL})"
