@@ -1,5 +1,5 @@
-// Cache attention for few query rows on AVX2+FMA CPUs, as an XLA FFI custom call (kernels_cpu;
-// `kernels_pallas.cache_attention` picks it on CPU for bf16 caches, implementation "cpu").
+// Cache attention on AVX2+FMA CPUs, as an XLA FFI custom call (kernels_cpu; bf16 in and out,
+// float32 inside; `kernels_pallas.cache_attention` picks it on CPU for bf16 caches, implementation "cpu").
 //
 // out[b, t, h] = softmax_s(q[b, t, h] . k[b, kvh, s] * scale) @ v[b, kvh, s], over the cache rows
 // s <= pos[b, t] outside the hidden window [lo[b, t], hi[b, t]), kvh = h / (H / KVH).
