@@ -22,7 +22,6 @@
 // the same row at its natural place). peagle_jax's exact speculation rests on that.
 #include <immintrin.h>
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>

@@ -18,7 +18,6 @@
 // mask). Each thread streams whole tiles in order.
 #include <immintrin.h>
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
