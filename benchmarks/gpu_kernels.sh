@@ -9,8 +9,8 @@
 #    every kernel against the XLA reference, dispatch, and CUDA lowering;
 # 3. benchmarks xla / triton / mosaic on Llama-3-8B verify attention (H=32, KVH=8, D=128,
 #    T=8; context 1k/8k/32k; batch 1/16/64; bf16 and fp8 KV).
-# Writes results/gpu_kernels/{tests.log,bench.log,bench.json,bench.md}. Budget: < 5 minutes
-# (tests <= 150 s, benchmark stops starting new combos after --budget-s, default 150 s).
+# Writes results/gpu_kernels/{tests.log,bench.log,bench.json,bench.md}. Budget: < 8 minutes
+# (tests <= 300 s, benchmark stops starting new combos after --budget-s, default 150 s).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT_DIR=${OUT_DIR:-results/gpu_kernels}
@@ -46,7 +46,7 @@ print(f"== jax {jax.__version__} on {d.device_kind} (sm {getattr(d, 'compute_cap
 EOF
 
 echo "== kernel tests on the GPU"
-timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_cache_attention.py 2>&1 \
+timeout "${TESTS_TIMEOUT_S:-300}" "$PY" -m pytest -q -p no:cacheprovider --timeout=120 tests/test_kernels_cache_attention.py 2>&1 \
   | tee "$OUT_DIR/tests.log"
 test_rc=${PIPESTATUS[0]}
 

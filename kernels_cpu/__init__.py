@@ -36,7 +36,9 @@ from jaxtyping import Array, BFloat16, Float, Int
 TILE = 32  # output columns per packed tile (4 x 8 float32 lanes)
 SOURCES = (Path(__file__).with_name("gemv_bf16.cc"), Path(__file__).with_name("attention_bf16.cc"))
 HEADERS = (Path(__file__).with_name("spans.h"), Path(__file__).with_name("bf16.h"))  # a change rebuilds too
-LIBRARY = Path(__file__).parent / "_build" / "libpeagle_cpu.so"
+# One library per jaxlib: the FFI's API version is compiled in, and a library built against
+# another jaxlib's headers is refused at registration.
+LIBRARY = Path(__file__).parent / "_build" / f"libpeagle_cpu-jaxlib{jax.lib.__version__}.so"
 TARGET_NAME = "peagle_gemv_bf16"
 TARGET_BF16_OUT = "peagle_gemv_bf16_to_bf16"  # the same sums, rounded to bf16 in the kernel
 ATTENTION_TARGET = "peagle_cache_attention_bf16"
@@ -100,9 +102,12 @@ def unavailable_reason() -> str | None:
         lib = ctypes.cdll.LoadLibrary(str(LIBRARY))
     except (RuntimeError, OSError) as e:
         return str(e)
-    jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(lib.peagle_gemv_bf16), platform="cpu")
-    jax.ffi.register_ffi_target(TARGET_BF16_OUT, jax.ffi.pycapsule(lib.peagle_gemv_bf16_to_bf16), platform="cpu")
-    jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.peagle_cache_attention_bf16), platform="cpu")
+    try:
+        for name, fn in ((TARGET_NAME, lib.peagle_gemv_bf16), (TARGET_BF16_OUT, lib.peagle_gemv_bf16_to_bf16),
+                         (ATTENTION_TARGET, lib.peagle_cache_attention_bf16)):
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="cpu")
+    except jax.errors.JaxRuntimeError as e:
+        return f"jaxlib {jax.lib.__version__} refused {LIBRARY.name}: {e}"
     return None
 
 

@@ -394,8 +394,9 @@ def _numpy_attention(q, k, v, pos):
 def test_reference_matches_numpy(dtype, tol, rowwise):
     q, k, v, pos, _ = _make(2, 5, 2, 3, 48, 16, jnp.dtype(dtype), positions="scattered")
     want = _numpy_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), pos)
-    got = np.asarray(jax.jit(cache_attention_reference, static_argnames="rowwise")(q, k, v, pos, rowwise=rowwise),
-                     np.float64)
+    with jax.default_matmul_precision("highest"):  # XLA:GPU's default f32 dot is TF32-like
+        got = np.asarray(jax.jit(cache_attention_reference, static_argnames="rowwise")(q, k, v, pos, rowwise=rowwise),
+                         np.float64)
     assert np.max(np.abs(got - want) / (1 + np.abs(want))) < tol
 
 
@@ -416,8 +417,9 @@ def test_reference_in_key_blocks_matches_numpy(dtype, tol, fp8):
     q, k, v, pos, kw = _make(2, 5, 2, 3, 72, 16, jnp.dtype(dtype), positions="scattered", fp8=fp8)
     deq = [dequantize(x, kw[n]) if fp8 else x for x, n in ((k, "k_scale"), (v, "v_scale"))]
     want = _numpy_attention(q.astype(jnp.float32), deq[0].astype(jnp.float32), deq[1].astype(jnp.float32), pos)
-    got = np.asarray(jax.jit(functools.partial(cache_attention_reference, key_block=16, **kw))(q, k, v, pos),
-                     np.float64)
+    with jax.default_matmul_precision("highest"):  # XLA:GPU's default f32 dot is TF32-like
+        got = np.asarray(jax.jit(functools.partial(cache_attention_reference, key_block=16, **kw))(q, k, v, pos),
+                         np.float64)
     assert np.max(np.abs(got - want) / (1 + np.abs(want))) < (tol if fp8 is None else 2e-2)
 
 
