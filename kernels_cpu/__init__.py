@@ -59,11 +59,13 @@ def _cpu_has_avx2_fma() -> bool:
 
 def instruction_set() -> str:
     """The matmul loops the library runs here: "amx" (tile dot products for every row count),
-    "avx512f" (512-bit FMAs for 3+ rows, AVX2 for 1-2) or "avx2" (gemv_bf16.cc; the two FMA
-    sets give the same bits). PEAGLE_CPU_KERNEL_NO_AMX=1 rules out "amx"; where AMX is not
-    used, PEAGLE_CPU_KERNEL_AVX2=1 forces "avx2" (the library reads both once per process)."""
+    "avx512bf16" (bf16 pair dot products, VDPBF16PS, every row count), "avx512f" (512-bit FMAs
+    for 3+ rows, AVX2 for 1-2) or "avx2" (gemv_bf16.cc; all but "amx" give the same bits).
+    PEAGLE_CPU_KERNEL_NO_AMX=1 rules out "amx" and PEAGLE_CPU_KERNEL_NO_DPBF16=1 "avx512bf16";
+    where neither runs, PEAGLE_CPU_KERNEL_AVX2=1 forces "avx2" (the library reads them once per
+    process)."""
     if available():
-        return ("avx2", "avx512f", "amx")[ctypes.cdll.LoadLibrary(str(LIBRARY)).peagle_gemv_loop_set()]
+        return ("avx2", "avx512f", "amx", "avx512bf16")[ctypes.cdll.LoadLibrary(str(LIBRARY)).peagle_gemv_loop_set()]
     flags = _cpu_flags()
     if os.environ.get("PEAGLE_CPU_KERNEL_AVX2") is not None or "avx512f" not in flags:
         return "avx2"

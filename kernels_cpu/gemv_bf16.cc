@@ -5,6 +5,7 @@
 // rows in the call, so a row's result never depends on the rows beside it (the row invariance
 // that peagle_jax's exact speculation rests on). A host picks one loop set for every row count:
 //   * AMX (AMX-BF16 CPUs where Linux grants the tile state): tile dot products, TDPBF16PS;
+//   * else, with AVX512-BF16, pair dot products, VDPBF16PS (the FMA loops' bits);
 //   * else FMAs on widened weights, AVX-512F for 3+ rows and AVX2 for 1-2 rows (or AVX2 only).
 //     Both FMA sets take the same steps, bit for bit (tested): per input pair j, in order,
 //     acc += x[2j+1] W[2j+1, o]; acc += x[2j] W[2j, o], each an FMA with denormals flushed.
@@ -182,6 +183,81 @@ PEAGLE_AVX512 static void rows_chunk512(int64_t R, const float* x, int64_t J, co
   }
 }
 
+// ---- AVX512-BF16: dot products of bf16 pairs, every row count --------------------------------
+// VDPBF16PS takes a lane's two products in the FMA loops' order (per the ISA: acc += odd pair's
+// product, then acc += even pair's, each rounded once, denormals flushed), and a bf16 x bf16
+// product is exact in float32, so it gives the FMA loops' bits (tested) with no widening of the
+// weights and half the instructions per row. The rows come as bf16 pairs (as for AMX).
+#define PEAGLE_DPBF16 __attribute__((target("avx512f,avx512bf16")))
+constexpr int64_t kMaxBlockRowsDp = 14;  // 28 accumulators + 2 weight vectors + 1 broadcast
+
+template <int R>
+PEAGLE_DPBF16 static void rows_chunk_dp(const uint32_t* xp, int64_t J, const uint16_t* w, int64_t j0, int64_t j1,
+                                        float* acc, bool prefetch) {
+  __m512 lo[R], hi[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) { lo[r] = _mm512_loadu_ps(acc + r * kTile); hi[r] = _mm512_loadu_ps(acc + r * kTile + 16); }
+  for (int64_t j = j0; j < j1; ++j) {
+    const uint16_t* wj = w + j * kPairStride;
+    if (prefetch) prefetch_ahead(wj);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wj), w1 = (__m512bh)_mm512_loadu_si512(wj + 32);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512bh s = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[r * J + j]));
+      lo[r] = _mm512_dpbf16_ps(lo[r], s, w0);
+      hi[r] = _mm512_dpbf16_ps(hi[r], s, w1);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) { _mm512_storeu_ps(acc + r * kTile, lo[r]); _mm512_storeu_ps(acc + r * kTile + 16, hi[r]); }
+}
+
+PEAGLE_DPBF16 static void rows_chunk_dp(int64_t R, const uint32_t* xp, int64_t J, const uint16_t* w, int64_t j0,
+                                        int64_t j1, float* acc, bool prefetch) {
+  switch (R) {
+    case 1: return rows_chunk_dp<1>(xp, J, w, j0, j1, acc, prefetch);
+    case 2: return rows_chunk_dp<2>(xp, J, w, j0, j1, acc, prefetch);
+    case 3: return rows_chunk_dp<3>(xp, J, w, j0, j1, acc, prefetch);
+    case 4: return rows_chunk_dp<4>(xp, J, w, j0, j1, acc, prefetch);
+    case 5: return rows_chunk_dp<5>(xp, J, w, j0, j1, acc, prefetch);
+    case 6: return rows_chunk_dp<6>(xp, J, w, j0, j1, acc, prefetch);
+    case 7: return rows_chunk_dp<7>(xp, J, w, j0, j1, acc, prefetch);
+    case 8: return rows_chunk_dp<8>(xp, J, w, j0, j1, acc, prefetch);
+    case 9: return rows_chunk_dp<9>(xp, J, w, j0, j1, acc, prefetch);
+    case 10: return rows_chunk_dp<10>(xp, J, w, j0, j1, acc, prefetch);
+    case 11: return rows_chunk_dp<11>(xp, J, w, j0, j1, acc, prefetch);
+    case 12: return rows_chunk_dp<12>(xp, J, w, j0, j1, acc, prefetch);
+    case 13: return rows_chunk_dp<13>(xp, J, w, j0, j1, acc, prefetch);
+    default: return rows_chunk_dp<14>(xp, J, w, j0, j1, acc, prefetch);
+  }
+}
+
+// Rows [0, M) (M <= kMaxRows) of one tile: one block (M <= 14) streams the tile once with its
+// sums in registers; more rows go chunk by chunk, each chunk (in L1) serving every block.
+static void rows_tile_dp(int64_t M, const uint32_t* xp, int64_t J, const uint16_t* w, float* yt, int64_t O) {
+  alignas(64) float acc[kMaxRows * kTile];
+  std::memset(acc, 0, sizeof(float) * M * kTile);
+  const int64_t blocks = (M + kMaxBlockRowsDp - 1) / kMaxBlockRowsDp;
+  const int64_t chunk = blocks == 1 ? J : kChunk;
+  for (int64_t j0 = 0; j0 < J; j0 += chunk) {
+    const int64_t j1 = std::min(J, j0 + chunk);
+    for (int64_t b = 0, r0 = 0; b < blocks; ++b) {
+      const int64_t r1 = (b + 1) * M / blocks;
+      rows_chunk_dp(r1 - r0, xp + r0 * J, J, w, j0, j1, acc + r0 * kTile, b == 0);
+      r0 = r1;
+    }
+  }
+  for (int64_t r = 0; r < M; ++r) std::memcpy(yt + r * O, acc + r * kTile, kTile * sizeof(float));
+}
+
+// Tiles [t0, t1) of one call with the bf16 dot products, rows in groups of at most kMaxRows.
+static void dp_tiles(int64_t t0, int64_t t1, int64_t M, int64_t J, int64_t O, const uint32_t* xp,
+                     const uint16_t* W, float* y) {
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t r0 = 0; r0 < M; r0 += kMaxRows)
+      rows_tile_dp(std::min(M, r0 + kMaxRows) - r0, xp + r0 * J, J, W + t * J * kPairStride, y + r0 * O + t * kTile, O);
+}
+
 // ---- AMX: tile dot products, every row count ------------------------------------------------
 // Where the CPU has AMX-BF16 (and Linux grants the tile state), every call runs on the tiles:
 // a [rows <= 16, 16 pairs] tile of the inputs times two [16 pairs, 16 columns] tiles of the
@@ -238,14 +314,16 @@ static bool amx_usable() {
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
 }
 
-// Which loops run here, chosen once per process: 2 = AMX (every row count), 1 = AVX-512F FMAs
-// (3+ rows; AVX2 for 1-2), 0 = AVX2 only. PEAGLE_CPU_KERNEL_NO_AMX=1 rules out 2; where AMX is
-// not used, PEAGLE_CPU_KERNEL_AVX2=1 forces 0 (tests compare the FMA sets' bits; benchmarks
+// Which loops run here, chosen once per process: 2 = AMX (every row count), 3 = AVX512-BF16
+// dot products (every row count), 1 = AVX-512F FMAs (3+ rows; AVX2 for 1-2), 0 = AVX2 only.
+// PEAGLE_CPU_KERNEL_NO_AMX=1 rules out 2 and PEAGLE_CPU_KERNEL_NO_DPBF16=1 rules out 3; where
+// neither runs, PEAGLE_CPU_KERNEL_AVX2=1 forces 0 (tests compare the sets' bits; benchmarks
 // time them).
 static int loop_set() {
   static const int set = [] {
     if (std::getenv("PEAGLE_CPU_KERNEL_NO_AMX") == nullptr && amx_usable()) return 2;
     if (std::getenv("PEAGLE_CPU_KERNEL_AVX2") != nullptr || !__builtin_cpu_supports("avx512f")) return 0;
+    if (std::getenv("PEAGLE_CPU_KERNEL_NO_DPBF16") == nullptr && __builtin_cpu_supports("avx512bf16")) return 3;
     return 1;
   }();
   return set;
@@ -313,6 +391,7 @@ struct Job {
 
   void Tiles(int64_t t0, int64_t t1, int set) {
     if (set == 2) amx_tiles(t0, t1, M, J, O, xp.data(), W, y);
+    else if (set == 3) dp_tiles(t0, t1, M, J, O, xp.data(), W, y);
     else fma_tiles(t0, t1, M, J, O, x.data(), W, y, set == 1);
     if (yb != nullptr)
       for (int64_t m = 0; m < M; ++m) peagle::to_bf16(y + m * O + t0 * kTile, yb + m * O + t0 * kTile, (t1 - t0) * kTile);
@@ -352,7 +431,7 @@ static ffi::Error Gemv(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::Bu
   }
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.typed_data());
   const int64_t width = 2 * job->J;  // inputs past I are zero (their packed weights are zero too)
-  if (loop_set() == 2) {
+  if (loop_set() >= 2) {
     job->xp.assign(job->M * job->J, 0u);
     for (int64_t m = 0; m < job->M; ++m)
       for (int64_t i = 0; i < I; ++i) job->xp[m * job->J + i / 2] |= uint32_t(xs[m * I + i]) << (16 * (i % 2));

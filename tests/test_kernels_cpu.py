@@ -70,31 +70,41 @@ _ROW0_SCRIPT = """
 import sys, numpy as np, jax.numpy as jnp, kernels_cpu
 assert kernels_cpu.available(), kernels_cpu.unavailable_reason()
 rng = np.random.default_rng(0)
-x = jnp.asarray(rng.standard_normal((40, 576)), jnp.bfloat16)
-w = kernels_cpu.pack(jnp.asarray(rng.standard_normal((576, 1536)) * 0.04, jnp.bfloat16))
-np.save(sys.argv[1], np.stack([np.asarray(kernels_cpu.matmul(x[:m], w))[0] for m in (1, 2, 3, 8, 14, 15, 40)]))
+rows = []
+# Ordinary values, then magnitudes spread over 2^-60..2^60 (sums that overflow, products that
+# vanish), then bf16 denormals (flushed to zero by every set).
+for spread, tiny in ((0, False), (60, False), (0, True)):
+    scale = lambda shape: 2.0 ** rng.integers(-spread, spread + 1, shape) * (1e-39 if tiny else 1.0)
+    x = jnp.asarray(rng.standard_normal((40, 576)) * scale((40, 576)), jnp.bfloat16)
+    w = kernels_cpu.pack(jnp.asarray(rng.standard_normal((576, 1536)) * 0.04 * scale((576, 1536)), jnp.bfloat16))
+    rows += [np.asarray(kernels_cpu.matmul(x[:m], w))[0] for m in (1, 2, 3, 8, 14, 15, 40)]
+np.save(sys.argv[1], np.stack(rows))
+print(kernels_cpu.instruction_set())
 """
 
 
 @needs_kernel
 @pytest.mark.skipif("avx512f" not in kernels_cpu._cpu_flags(), reason="this CPU runs the AVX2 loops only")
-def test_avx512_loops_give_the_avx2_bits(tmp_path):
-    """Where AVX-512F runs 3+ rows, its sums are bitwise those of the AVX2 loops (same FMA
-    order per element), so a model's tokens do not depend on which of the two a host has.
-    (AMX, where present, rounds its own way; here it is turned off.) The library picks its
-    loops once per process, so each set runs in a fresh one."""
+def test_non_amx_loop_sets_give_the_same_bits(tmp_path):
+    """The AVX512-BF16 dot products (every row count), the AVX-512F FMAs (3+ rows) and the AVX2
+    FMAs give bitwise the same sums (same order per element), so a model's tokens do not depend
+    on which of them a host has. (AMX, where present, rounds its own way; here it is turned
+    off.) The library picks its loops once per process, so each set runs in a fresh one."""
     import os
     import subprocess
     import sys
 
     rows0 = {}
-    for loops, extra_env in (("avx512f", {}), ("avx2", {"PEAGLE_CPU_KERNEL_AVX2": "1"})):
-        out = tmp_path / f"{loops}.npy"
-        env = {k: v for k, v in os.environ.items() if k != "PEAGLE_CPU_KERNEL_AVX2"} | extra_env
+    for extra_env in ({}, {"PEAGLE_CPU_KERNEL_NO_DPBF16": "1"}, {"PEAGLE_CPU_KERNEL_AVX2": "1"}):
+        out = tmp_path / f"{len(rows0)}.npy"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PEAGLE_CPU_KERNEL_")} | extra_env
         env["PEAGLE_CPU_KERNEL_NO_AMX"] = "1"
-        subprocess.run([sys.executable, "-c", _ROW0_SCRIPT, str(out)], check=True, env=env, timeout=300)
-        rows0[loops] = np.load(out)
-    assert np.array_equal(rows0["avx512f"], rows0["avx2"]), "the AVX-512 loops round differently from the AVX2 ones"
+        done = subprocess.run([sys.executable, "-c", _ROW0_SCRIPT, str(out)], check=True, env=env, timeout=300,
+                              capture_output=True, text=True)
+        rows0[done.stdout.split()[-1]] = np.load(out).view(np.uint32)
+    assert "avx2" in rows0 and len(rows0) >= 2, rows0.keys()
+    for loops, bits in rows0.items():
+        assert np.array_equal(bits, rows0["avx2"]), f"the {loops} loops round differently from the AVX2 ones"
 
 
 @needs_kernel
