@@ -65,9 +65,9 @@ class DrafterLayer(nnx.Module):
         x = residual + attn_out
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def __call__(self, x, positions, kv, embeds=None):
+    def __call__(self, x, positions, kv, embeds=None, angles=None):
         attn_in, residual = self.attention_input(x, embeds)
-        a, kv = self.self_attn(attn_in, positions, kv)
+        a, kv = self.self_attn(attn_in, positions, kv, angles=angles)
         return self.finish(residual, a), kv
 
 
@@ -154,8 +154,9 @@ class Eagle3Drafter(nnx.Module):
         embeds = jnp.take(self.embed_tokens[...], tokens, axis=0)
         x = features.astype(embeds.dtype)
         new_layers = []
+        angles = self.layers[0].self_attn.rotary(positions)  # shared by the layers
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, positions, cache.layers[i], embeds if i == 0 else None)
+            x, kv = layer(x, positions, cache.layers[i], embeds if i == 0 else None, angles)
             new_layers.append(kv)
         sel = x if logit_rows is None else jnp.take_along_axis(x, logit_rows[..., None], axis=1)
         return DrafterOutput(self.logits_from_prenorm(sel), x, cache._replace(layers=tuple(new_layers)))

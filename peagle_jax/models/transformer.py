@@ -46,8 +46,8 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, kv, slots=None, skip=None):
-        h, kv = self.self_attn(self.input_layernorm(x), positions, kv, slots, skip)
+    def __call__(self, x, positions, kv, slots=None, skip=None, angles=None):
+        h, kv = self.self_attn(self.input_layernorm(x), positions, kv, slots, skip, angles)
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, kv
@@ -109,10 +109,11 @@ class CausalLM(nnx.Module):
         x = self.embed(tokens)
         taps: dict[int, jax.Array] = {}
         new_layers = []
+        angles = self.layers[0].self_attn.rotary(positions)  # every layer rotates alike
         for i, layer in enumerate(self.layers):
             if i in aux_ids:
                 taps[i] = x  # residual stream entering layer i
-            x, kv = layer(x, positions, cache.layers[i], slots, skip)
+            x, kv = layer(x, positions, cache.layers[i], slots, skip, angles)
             new_layers.append(kv)
         h = self.norm(x)
         logits = None
