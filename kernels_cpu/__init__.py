@@ -1,6 +1,6 @@
 """Row-invariant CPU kernels as FFI custom calls: a bf16 matmul for few rows (AMX tiles where
-the CPU has them, else FMAs in AVX-512F / AVX2, which give the same bits) and a bf16 cache
-attention.
+the CPU has them, else AVX512-BF16 pair dot products or FMAs in AVX-512F / AVX2, which all give
+the same bits) and a bf16 cache attention.
 
 XLA:CPU's bf16 matmuls over 1-16 rows stream the weights at about half the machine's read
 bandwidth (`benchmarks/decode_roofline.py`), and a small model's decode step is 90% matmuls.
