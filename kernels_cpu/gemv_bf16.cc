@@ -232,22 +232,35 @@ PEAGLE_DPBF16 static void rows_chunk_dp(int64_t R, const uint32_t* xp, int64_t J
   }
 }
 
-// Rows [0, M) (M <= kMaxRows) of one tile: one block (M <= 14) streams the tile once with its
-// sums in registers; more rows go chunk by chunk, each chunk (in L1) serving every block.
-static void rows_tile_dp(int64_t M, const uint32_t* xp, int64_t J, const uint16_t* w, float* yt, int64_t O) {
+// Rows [0, M) (M <= kMaxRows) of one tile with 512-bit loops, `chunk` summing R rows over the
+// pairs j0 .. j1 into acc (rows_chunk512, rows_chunk_dp). One block (M <= kBlock) streams the
+// tile once with its sums in registers; more rows go chunk by chunk, each chunk (in L1) serving
+// every block before the next is read. Row r's inputs start at x + r * row_stride.
+template <int64_t kBlock, typename In, typename Chunk>
+static void rows_tile_blocked(int64_t M, const In* x, int64_t row_stride, int64_t J, const uint16_t* w, float* yt,
+                              int64_t O, Chunk chunk) {
   alignas(64) float acc[kMaxRows * kTile];
   std::memset(acc, 0, sizeof(float) * M * kTile);
-  const int64_t blocks = (M + kMaxBlockRowsDp - 1) / kMaxBlockRowsDp;
-  const int64_t chunk = blocks == 1 ? J : kChunk;
-  for (int64_t j0 = 0; j0 < J; j0 += chunk) {
-    const int64_t j1 = std::min(J, j0 + chunk);
+  const int64_t blocks = (M + kBlock - 1) / kBlock;
+  const int64_t step = blocks == 1 ? J : kChunk;
+  for (int64_t j0 = 0; j0 < J; j0 += step) {
+    const int64_t j1 = std::min(J, j0 + step);
     for (int64_t b = 0, r0 = 0; b < blocks; ++b) {
       const int64_t r1 = (b + 1) * M / blocks;
-      rows_chunk_dp(r1 - r0, xp + r0 * J, J, w, j0, j1, acc + r0 * kTile, b == 0);
+      chunk(r1 - r0, x + r0 * row_stride, J, w, j0, j1, acc + r0 * kTile, b == 0);
       r0 = r1;
     }
   }
   for (int64_t r = 0; r < M; ++r) std::memcpy(yt + r * O, acc + r * kTile, kTile * sizeof(float));
+}
+
+// Rows [0, M) (M <= kMaxRows) of one tile with the bf16 dot products (see rows_tile_blocked).
+static void rows_tile_dp(int64_t M, const uint32_t* xp, int64_t J, const uint16_t* w, float* yt, int64_t O) {
+  rows_tile_blocked<kMaxBlockRowsDp>(M, xp, J, J, w, yt, O,
+                                     [](int64_t R, const uint32_t* x, int64_t J, const uint16_t* w, int64_t j0,
+                                        int64_t j1, float* acc, bool prefetch) {
+                                       rows_chunk_dp(R, x, J, w, j0, j1, acc, prefetch);
+                                     });
 }
 
 // Tiles [t0, t1) of one call with the bf16 dot products, rows in groups of at most kMaxRows.
@@ -331,23 +344,13 @@ static int loop_set() {
 
 extern "C" int peagle_gemv_loop_set() { return loop_set(); }  // for kernels_cpu.instruction_set
 
-// Rows [0, M) (M <= kMaxRows) of one tile with 512-bit loops: one block (M <= 12) streams the
-// tile once with its sums in registers; more rows go chunk by chunk, each chunk (in L1) serving
-// every block before the next is read.
+// Rows [0, M) (M <= kMaxRows) of one tile with the AVX-512F FMAs (see rows_tile_blocked).
 static void rows_tile512(int64_t M, const float* x, int64_t J, const uint16_t* w, float* yt, int64_t O) {
-  alignas(64) float acc[kMaxRows * kTile];
-  std::memset(acc, 0, sizeof(float) * M * kTile);
-  const int64_t blocks = (M + kMaxBlockRows512 - 1) / kMaxBlockRows512;
-  const int64_t chunk = blocks == 1 ? J : kChunk;
-  for (int64_t j0 = 0; j0 < J; j0 += chunk) {
-    const int64_t j1 = std::min(J, j0 + chunk);
-    for (int64_t b = 0, r0 = 0; b < blocks; ++b) {
-      const int64_t r1 = (b + 1) * M / blocks;
-      rows_chunk512(r1 - r0, x + r0 * 2 * J, J, w, j0, j1, acc + r0 * kTile, b == 0);
-      r0 = r1;
-    }
-  }
-  for (int64_t r = 0; r < M; ++r) std::memcpy(yt + r * O, acc + r * kTile, kTile * sizeof(float));
+  rows_tile_blocked<kMaxBlockRows512>(M, x, 2 * J, J, w, yt, O,
+                                      [](int64_t R, const float* x, int64_t J, const uint16_t* w, int64_t j0,
+                                         int64_t j1, float* acc, bool prefetch) {
+                                        rows_chunk512(R, x, J, w, j0, j1, acc, prefetch);
+                                      });
 }
 
 // Tiles [t0, t1) of one call with the FMA loops, rows in groups of at most kMaxRows.
