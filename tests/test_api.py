@@ -148,3 +148,44 @@ def test_reexport_of_a_shipped_head_is_bit_identical(tmp_path):
     assert (head / "config.json").read_text() == (tmp_path / "again" / "config.json").read_text()
     with pytest.raises(SystemExit):
         export_main(["--head", str(head), "--out", str(head)])
+
+
+def test_export_gives_a_head_the_vocabulary_of_generated_answers(tmp_path):
+    # `export --head H --vocab-from DATA`: the draft vocabulary becomes the answers' most frequent
+    # tokens (EOS forced in), the lm_head the target's rows for them, every other tensor unchanged.
+    import json
+
+    import numpy as np
+    from safetensors import safe_open
+
+    from peagle_jax.checkpoints import load_target
+    from peagle_jax.checkpoints.default_model import default_drafter_path, default_model_path
+    from peagle_jax.train.export import main as export_main
+
+    rng = np.random.default_rng(0)
+    data = tmp_path / "data"
+    data.mkdir()
+    common = rng.choice(np.arange(100, 49000), 300, replace=False)
+    with open(data / "answers_train.jsonl", "w") as fh:
+        for _ in range(40):  # prompt tokens (ids < 100) do not count; response tokens do
+            fh.write(json.dumps({"name": "x", "prompt": rng.integers(3, 100, 20).tolist(),
+                                 "response": rng.choice(common, 50).tolist()}) + "\n")
+    head = default_drafter_path("peagle")
+    out = tmp_path / "revocab"
+    export_main(["--head", str(head), "--out", str(out), "--vocab-from", str(data), "--draft-vocab-size", "302"])
+    config = json.loads((out / "config.json").read_text())
+    assert config["draft_vocab_size"] == 302
+    with safe_open(head / "model.safetensors", "np") as a, safe_open(out / "model.safetensors", "np") as b:
+        ids = np.arange(302) + b.get_tensor("d2t")
+        extra = set(ids.tolist()) - set(common.tolist())  # every response token, EOS, no prompt token
+        assert len(extra) == 2 and 2 in extra and extra <= {0, 1, 2}
+        target = load_target(default_model_path(), dtype="bfloat16")
+        expected = np.asarray(target.lm_head_weight(), np.float32)[:, ids].T
+        np.testing.assert_array_equal(np.asarray(b.get_tensor("lm_head.weight"), np.float32), expected)
+        for k in set(a.keys()) - {"d2t", "t2d", "lm_head.weight"}:
+            np.testing.assert_array_equal(np.asarray(a.get_tensor(k), np.float32),
+                                          np.asarray(b.get_tensor(k), np.float32), err_msg=k)
+    with pytest.raises(SystemExit):
+        export_main(["--head", str(head), "--out", str(tmp_path / "x"), "--draft-vocab-size", "10"])
+    with pytest.raises(FileNotFoundError, match="answers_train.jsonl"):
+        export_main(["--head", str(head), "--out", str(tmp_path / "y"), "--vocab-from", str(tmp_path)])

@@ -133,3 +133,42 @@ def test_fine_tuning_starts_from_the_saved_head_and_keeps_its_vocabulary(tmp_pat
         Trainer(_cfg(tmp_path, "clash", **{"drafter.init_from": str(head), "drafter.num_layers": 2}))
     with pytest.raises(ValueError, match=r"objective.method: config eagle3, head peagle"):
         Trainer(_cfg(tmp_path, "clash2", **{"drafter.init_from": str(head), "objective.method": "eagle3"}))
+
+
+def test_fine_tuning_can_give_the_head_the_data_vocabulary(tmp_path):
+    """init_vocab=data: the run's most frequent tokens become the draft vocabulary, every trained
+    weight is the saved head's, and the lm_head is the target's rows for the new ids."""
+    import jax.numpy as jnp
+
+    from peagle_jax.checkpoints.drafter_io import load_drafter
+    from peagle_jax.train.export import export
+    from peagle_jax.train.vocab import with_draft_vocabulary
+
+    first = Trainer(_cfg(tmp_path, "first", max_steps=2, **{"drafter.draft_vocab_size": 32}))
+    first.run()
+    head = export(first.cfg.run_dir, tmp_path / "head", layout="aws", dtype="float32")[0]
+    tuned = Trainer(_cfg(tmp_path, "tuned", max_steps=1, **{
+        "drafter.init_from": str(head), "drafter.init_vocab": "data", "drafter.draft_vocab_size": 20,
+        "data.random_docs": 12, "data.features_dir": str(tmp_path / "feat2"), "seed": 5}))
+    ids = tuned.draft_ids
+    assert ids.shape == (20,) and not np.array_equal(ids, first.draft_ids[:20])
+    for k, v in first.trainable.items():  # the saved weights, not a fresh initialisation
+        np.testing.assert_array_equal(np.asarray(tuned.trainable[k]), np.asarray(v), err_msg=k)
+    target_rows = np.asarray(tuned.target.lm_head_weight())[:, ids]
+    np.testing.assert_array_equal(np.asarray(tuned.frozen["lm_head"]), target_rows)
+    np.testing.assert_array_equal(np.arange(20) + np.asarray(tuned.frozen["d2t"]), ids)
+    assert all(np.isfinite(r["loss"]) for r in tuned.run())
+
+    # A token in both vocabularies gets the same draft logit from the old and the new head.
+    old = load_drafter(head, target=tuned.target)
+    new = with_draft_vocabulary(old, tuned.target, ids)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 32)), jnp.float32)
+    both = np.intersect1d(first.draft_ids, ids)
+    old_col = np.searchsorted(first.draft_ids, both)
+    new_col = np.searchsorted(ids, both)
+    np.testing.assert_allclose(np.asarray(new.logits_from_prenorm(x))[:, new_col],
+                               np.asarray(old.logits_from_prenorm(x))[:, old_col], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="sorted, distinct"):
+        with_draft_vocabulary(old, tuned.target, ids[::-1])
+    with pytest.raises(ValidationError, match="init_vocab=data"):
+        _cfg(tmp_path, "novocab", **{"drafter.init_vocab": "data"})

@@ -73,6 +73,16 @@ class DrafterSection(_Frozen):
     # A saved head (AWS or speculators layout) to fine-tune instead of a fresh one: its weights,
     # draft vocabulary (d2t) and shape are kept; num_layers / draft_vocab_size must agree or be left out.
     init_from: str | None = None
+    # With init_from: "head" keeps the head's draft vocabulary; "data" gives it this run's (the
+    # draft_vocab_size, default the head's, most frequent response tokens of the training set),
+    # keeping every trained weight (`train.vocab.with_draft_vocabulary`).
+    init_vocab: Literal["head", "data"] = "head"
+
+    @model_validator(mode="after")
+    def _vocab_needs_a_head(self) -> DrafterSection:
+        if self.init_vocab == "data" and self.init_from is None:
+            raise ValueError("drafter.init_vocab=data re-vocabularises the head drafter.init_from names: set init_from")
+        return self
 
 
 class ObjectiveSection(_Frozen):

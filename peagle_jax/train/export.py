@@ -3,9 +3,14 @@
     python -m peagle_jax.train.export --run_dir /work/runs/peagle_smollm2 --out /work/runs/peagle_smollm2/export \
         [--layout both|aws|speculators] [--dtype bfloat16|float32] [--step N]
     python -m peagle_jax.train.export --head OLD_HEAD_DIR --out NEW_DIR [--model default] [--layout aws]
+        [--vocab-from DATA_DIR [--draft-vocab-size N]]
 
 The second form rewrites an existing head (either layout) under this policy, e.g. a head
-exported before the lm_head was shipped; its weights are unchanged.
+exported before the lm_head was shipped; its weights are unchanged. With --vocab-from it also
+gives the head a new draft vocabulary: the N (default: the head's size) tokens its target
+writes most often in DATA_DIR (`generate_data`'s answers_train.jsonl, response tokens only);
+the trained weights are kept and the lm_head becomes the target's rows for the new ids
+(`train.vocab.with_draft_vocabulary`).
 
 Size policy (SmolLM2-135M: H=576, V=49152):
 * `lm_head` (the draft-vocabulary rows, [Vd, H]) is always shipped, although it is frozen
@@ -76,16 +81,42 @@ def export(run_dir, out, *, layout="both", dtype="bfloat16", step=None) -> list[
     return paths
 
 
-def reexport(head, out, *, model=None, layout="aws", dtype="bfloat16") -> list[Path]:
+def draft_ids_from_answers(data_dir: str | Path, vocab_size: int, draft_size: int, always=()) -> np.ndarray:
+    """The `draft_size` response tokens written most often in a `generate_data` directory."""
+    from peagle_jax.train.data import read_selfdistill
+    from peagle_jax.train.vocab import draft_ids_from_counts, token_counts
+
+    path = Path(data_dir) / "answers_train.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"--vocab-from {data_dir}: no answers_train.jsonl there (write it with "
+                                "python -m peagle_jax.train.generate_data --out DIR)")
+    docs = read_selfdistill(path)
+    counts = token_counts(((d.tokens, d.loss_mask) for d in docs), vocab_size)
+    if not counts.any():
+        raise ValueError(f"--vocab-from {data_dir}: answers_train.jsonl holds no response tokens")
+    return draft_ids_from_counts(counts, draft_size, always=always)
+
+
+def reexport(head, out, *, model=None, layout="aws", dtype="bfloat16", vocab_from=None,
+             draft_vocab_size=None) -> list[Path]:
     """Rewrite the head directory `head` (AWS or speculators layout) into `out` with the lm_head
-    included; tensors the head left out (lm_head, a frozen embedding) come from the target."""
+    included; tensors the head left out (lm_head, a frozen embedding) come from the target.
+    `vocab_from` (a `generate_data` directory) also replaces its draft vocabulary."""
     from peagle_jax.checkpoints import load_target
     from peagle_jax.checkpoints.default_model import resolve_model_path
     from peagle_jax.checkpoints.drafter_io import load_drafter
+    from peagle_jax.checkpoints.tokenizer import eos_token_ids, load_tokenizer
+    from peagle_jax.train.vocab import with_draft_vocabulary
 
     head = Path(head)
-    target = load_target(resolve_model_path(model), dtype="float32")
+    path = resolve_model_path(model)
+    target = load_target(path, dtype="float32")
     drafter = load_drafter(head, target=target)
+    if vocab_from is not None:  # EOS always in, as training's vocabularies have it
+        size = draft_vocab_size or drafter.config.draft_vocab_size
+        eos = eos_token_ids(load_tokenizer(path), path)
+        ids = draft_ids_from_answers(vocab_from, target.config.vocab_size, size, always=eos)
+        drafter = with_draft_vocabulary(drafter, target, ids)
     with safe_open(head / "model.safetensors", "np") as f:
         include_embed = "embed_tokens.weight" in f.keys()
     paths = []
@@ -112,11 +143,22 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--step", type=int, default=None)
     p.add_argument("--model", default=None, help="--head only: the target (default: the built-in model)")
+    p.add_argument("--vocab-from", default=None,
+                   help="--head only: a generate_data directory; the head gets the draft vocabulary of its answers")
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="with --vocab-from: tokens in the new draft vocabulary (default: the head's)")
     a = p.parse_args(argv)
+    if a.head is None and (a.vocab_from is not None or a.draft_vocab_size is not None):
+        p.error("--vocab-from and --draft-vocab-size rewrite an exported head: give --head")
+    if a.draft_vocab_size is not None and a.vocab_from is None:
+        p.error("--draft-vocab-size needs --vocab-from (the counts that choose the tokens)")
+    if a.draft_vocab_size is not None and a.draft_vocab_size < 1:
+        p.error("--draft-vocab-size must be >= 1")
     if a.head is not None:
         if Path(a.out).resolve() == Path(a.head).resolve():
             p.error("--out must differ from --head (write elsewhere, then replace)")
-        reexport(a.head, a.out, model=a.model, layout=a.layout or "aws", dtype=a.dtype)
+        reexport(a.head, a.out, model=a.model, layout=a.layout or "aws", dtype=a.dtype, vocab_from=a.vocab_from,
+                 draft_vocab_size=a.draft_vocab_size)
     else:
         export(a.run_dir, a.out, layout=a.layout or "both", dtype=a.dtype, step=a.step)
 

@@ -57,7 +57,7 @@ from peagle_jax.train.features import (
     open_train_store,
 )
 from peagle_jax.train.objective import Rows, eagle3_loss, peagle_loss
-from peagle_jax.train.vocab import draft_ids_from_counts, token_counts, vocab_maps
+from peagle_jax.train.vocab import draft_ids_from_counts, token_counts, vocab_maps, with_draft_vocabulary
 
 
 def make_mesh(n: int) -> Mesh:
@@ -115,7 +115,8 @@ def head_to_fine_tune(cfg: TrainConfig, target):
     given = cfg.drafter.model_fields_set  # settings the config states (defaults defer to the head)
     clashes = [f"{name}: config {want}, head {have}" for name, want, have in (
         ("drafter.num_layers", cfg.drafter.num_layers if "num_layers" in given else None, hc.num_hidden_layers),
-        ("drafter.draft_vocab_size", cfg.drafter.draft_vocab_size, hc.draft_vocab_size),
+        ("drafter.draft_vocab_size", cfg.drafter.draft_vocab_size if cfg.drafter.init_vocab == "head" else None,
+         hc.draft_vocab_size),
         ("drafter.mask_token_id", cfg.drafter.mask_token_id if peagle else None, hc.mask_token_id),
         ("objective.method", cfg.objective.method, "peagle" if hc.parallel_drafting else "eagle3"),
     ) if want is not None and want != have]
@@ -133,6 +134,8 @@ def head_draft_ids(head) -> np.ndarray:
 def build_drafter(cfg: TrainConfig, target, draft_ids: np.ndarray):
     if cfg.drafter.init_from is not None:
         head = head_to_fine_tune(cfg, target)
+        if cfg.drafter.init_vocab == "data":
+            return with_draft_vocabulary(head, target, draft_ids)
         if not np.array_equal(head_draft_ids(head), draft_ids):
             raise ValueError(f"drafter.init_from {cfg.drafter.init_from}: its draft vocabulary differs from "
                              "this run's draft_ids.npy (a run directory started from another head?)")
@@ -230,13 +233,16 @@ class Trainer:
         vocab_file = self.run_dir / "draft_ids.npy"
         if vocab_file.exists():
             draft_ids = np.load(vocab_file)
-        elif cfg.drafter.init_from is not None:  # fine-tuning keeps the head's vocabulary
+        elif cfg.drafter.init_from is not None and cfg.drafter.init_vocab == "head":  # keep the head's vocabulary
             draft_ids = head_draft_ids(head_to_fine_tune(cfg, self.target))
             if jax.process_index() == 0:
                 np.save(vocab_file, draft_ids)
         else:
+            size = cfg.drafter.draft_vocab_size
+            if cfg.drafter.init_from is not None and size is None:  # "data": the head's size, new tokens
+                size = head_to_fine_tune(cfg, self.target).config.draft_vocab_size
             counts = token_counts(pairs, tc.vocab_size)
-            draft_ids = draft_ids_from_counts(counts, cfg.drafter.draft_vocab_size, always=self.eos_ids)
+            draft_ids = draft_ids_from_counts(counts, size, always=self.eos_ids)
             if jax.process_index() == 0:
                 np.save(vocab_file, draft_ids)
         self.draft_ids = draft_ids

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -39,3 +40,30 @@ def vocab_maps(draft_ids: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.n
     t2d = np.zeros((vocab_size,), bool)
     t2d[draft_ids] = True
     return d2t, t2d
+
+
+def with_draft_vocabulary(drafter, target, draft_ids: np.ndarray):
+    """The same head over another draft vocabulary (sorted target ids `draft_ids`).
+
+    A head's lm_head is the target's lm_head restricted to the draft ids, and training keeps it
+    frozen, so a new vocabulary needs no new weights: every trained tensor is kept, the lm_head
+    becomes the target's rows for `draft_ids` and d2t maps them. Use it when the vocabulary a
+    head was trained with (counted on one domain) misses tokens other domains use often: a token
+    outside it can never be drafted.
+    """
+    from flax import nnx
+
+    from peagle_jax.drafters.eagle3 import create_drafter
+
+    ids = np.asarray(draft_ids, np.int64)
+    v = target.config.vocab_size
+    if ids.ndim != 1 or ids.size == 0 or ids[0] < 0 or ids[-1] >= v or np.any(np.diff(ids) <= 0):
+        raise ValueError(f"draft_ids must be sorted, distinct target ids in [0, {v}); got {ids.size} ids")
+    if drafter.config.vocab_size != v:
+        raise ValueError(f"the head was made for a {drafter.config.vocab_size}-token vocabulary, the target has {v}")
+    config = drafter.config.replace(draft_vocab_size=int(ids.size))
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: create_drafter(config)))
+    params = nnx.to_pure_dict(nnx.state(drafter))
+    params["lm_head"] = jnp.asarray(target.lm_head_weight()[:, ids], drafter.lm_head[...].dtype)
+    params["d2t"] = jnp.asarray(vocab_maps(ids, v)[0], jnp.int32)
+    return nnx.merge(graphdef, params)
