@@ -55,6 +55,17 @@ def test_greedy_exact_with_random_drafter(target, drafter, reference, method, k)
     assert out.accepted_per_position.shape == (k,)
 
 
+def test_k_left_out_is_the_backends_measured_default(target, drafter, reference):
+    from peagle_jax.generate import default_num_draft_tokens
+
+    assert default_num_draft_tokens() == 2  # CPU (this suite runs on CPU): README, sessions 21-25
+    out = speculative_generate(target, drafter, PROMPTS, max_new_tokens=24, eos_token_ids=[EOS])
+    assert out.num_draft_tokens == 2 and out.accepted_per_position.shape == (2,)
+    assert out.tokens == [t[:24] for t in reference.tokens]
+    with pytest.raises(ValueError, match="num_draft_tokens must be >= 1"):
+        speculative_generate(target, drafter, PROMPTS, num_draft_tokens=0, max_new_tokens=4)
+
+
 @pytest.mark.parametrize("k", [1, 3, 7])
 def test_oracle_reaches_k_plus_one_and_partial_oracle_is_exact(target, reference, k):
     budget = 24

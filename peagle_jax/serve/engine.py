@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from peagle_jax.generate.speculative import cache_capacity, merge_models, prompt_bucket
+from peagle_jax.generate.speculative import cache_capacity, default_num_draft_tokens, merge_models, prompt_bucket
 from peagle_jax.generate.steps import (
     SpecConfig,
     SpecState,
@@ -268,7 +268,7 @@ class Engine:
         eos_ids: Sequence[int],
         *,
         method: str = "none",
-        num_draft_tokens: int = 5,
+        num_draft_tokens: int | None = None,
         max_batch_size: int = 8,
         max_model_len: int = 2048,
         max_queue_size: int = 64,
@@ -281,7 +281,10 @@ class Engine:
         adaptive: bool = False,
     ):
         """adaptive: choose each round between speculating and a plain decode step by measured
-        tokens per second (`serve.adaptive`); head methods (eagle3, peagle) only, else ignored."""
+        tokens per second (`serve.adaptive`); head methods (eagle3, peagle) only, else ignored.
+        num_draft_tokens None: `generate.default_num_draft_tokens()`."""
+        if num_draft_tokens is None:
+            num_draft_tokens = default_num_draft_tokens()
         k = num_draft_tokens if method != "none" else 0
         head = method in ("eagle3", "peagle")
         # Greedy is chosen per round (all rows greedy or not); the rest is fixed per engine. Head
