@@ -133,8 +133,6 @@ def speculative_generate(
     t = prompt_bucket(max(len(p) for p in prompts), min_bucket)
     if num_draft_tokens is None:
         num_draft_tokens = default_num_draft_tokens()
-    if num_draft_tokens < 1:
-        raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
     k = num_draft_tokens if method != "none" else 0
     config = SpecConfig(method, k, temperature == 0.0, cache_capacity(t, max_new_tokens, k), max_new_tokens)
     config.check_drafter(drafter)

@@ -83,14 +83,10 @@ def export(run_dir, out, *, layout="both", dtype="bfloat16", step=None) -> list[
 
 def draft_ids_from_answers(data_dir: str | Path, vocab_size: int, draft_size: int, always=()) -> np.ndarray:
     """The `draft_size` response tokens written most often in a `generate_data` directory."""
-    from peagle_jax.train.data import read_selfdistill
+    from peagle_jax.train.features import generated_docs
     from peagle_jax.train.vocab import draft_ids_from_counts, token_counts
 
-    path = Path(data_dir) / "answers_train.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"--vocab-from {data_dir}: no answers_train.jsonl there (write it with "
-                                "python -m peagle_jax.train.generate_data --out DIR)")
-    docs = read_selfdistill(path)
+    docs = generated_docs(str(data_dir), "train")
     counts = token_counts(((d.tokens, d.loss_mask) for d in docs), vocab_size)
     if not counts.any():
         raise ValueError(f"--vocab-from {data_dir}: answers_train.jsonl holds no response tokens")
