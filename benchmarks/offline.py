@@ -80,6 +80,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--two-chains", default="off", choices=("off", "on", "both"),
                     help="X+ngram: verify the head's and the lookup's drafts in one forward where the lookup "
                          "matches (on), the one-chain rule (off), or both as rows X+ngram and X+ngram/2c")
+    ap.add_argument("--second-root", default="off", choices=("off", "on", "both"),
+                    help="eagle3 / peagle: also verify the head's second choice for the first draft in the same "
+                         "forward (on), not (off), or both as rows X and X/2r")
     ap.add_argument("--head-draft-tokens", type=int, default=None,
                     help="X+ngram: drafts the head proposes where the lookup has no match (default: K)")
     ap.add_argument("--ks", nargs="+", type=int, default=[3, 5, 7], help="draft lengths K")
@@ -161,8 +164,24 @@ def _drafters(args, llm) -> tuple[dict[str, Any], dict[str, str], dict[str, str]
             skipped[method] = (f"no trained {method} head given (--{method}-head DIR); method skipped. "
                                f"Pass --random-heads to run the pipeline with random-weight heads.")
             print(f"NOTE: {skipped[method]}", file=sys.stderr)
-    _add_hybrids(args, drafters, labels)
+    _add_hybrids(args, drafters, labels)  # before: a hybrid wraps the plain head
+    _add_second_roots(args, drafters, labels)
     return drafters, labels, skipped
+
+
+def _add_second_roots(args, drafters: dict[str, Any], labels: dict[str, str]) -> None:
+    """--second-root: the heads with their first draft's runner-up verified too (row X, or X/2r beside X)."""
+    from flax import nnx
+
+    if args.second_root == "off":
+        return
+    for base in ("peagle", "eagle3"):
+        if base not in drafters or base not in args.methods:
+            continue
+        head = nnx.clone(drafters[base])  # shares the weights; only the static flag differs
+        head.second_root = True
+        row = base if args.second_root == "on" else base + SECOND_ROOT
+        drafters[row], labels[row] = head, f"{labels[base]}, + the first draft's runner-up (second root)"
 
 
 def _add_hybrids(args, drafters: dict[str, Any], labels: dict[str, str]) -> None:
@@ -189,11 +208,13 @@ def _add_hybrids(args, drafters: dict[str, Any], labels: dict[str, str]) -> None
 
 #: Row suffix of a hybrid that verifies both chains in one forward (`--two-chains both`).
 TWO_CHAINS = "/2c"
+#: Row suffix of a head that also proposes its first draft's runner-up (`--second-root both`).
+SECOND_ROOT = "/2r"
 
 
 def _method_of(row: str) -> str:
-    """The `speculative_generate` method of a result row (X+ngram/2c runs X+ngram)."""
-    return row.removesuffix(TWO_CHAINS)
+    """The `speculative_generate` method of a result row (X+ngram/2c runs X+ngram, X/2r runs X)."""
+    return row.removesuffix(TWO_CHAINS).removesuffix(SECOND_ROOT)
 
 
 def _batches(n: int, b: int) -> list[list[int]]:
@@ -219,8 +240,8 @@ def _first_diff(a: list[int], b: list[int]) -> int:
 def _configs(args, drafters: dict[str, Any]) -> list[tuple[str, int]]:
     """(method, K) pairs to time; ("none", 0) is always first, as the reference for speed-ups and tokens."""
     configs: list[tuple[str, int]] = [("none", 0)] if "none" in args.methods else []
-    for m in ("ngram", "eagle3", "peagle", "eagle3+ngram", "eagle3+ngram" + TWO_CHAINS, "peagle+ngram",
-              "peagle+ngram" + TWO_CHAINS):
+    for m in ("ngram", "eagle3", "eagle3" + SECOND_ROOT, "peagle", "peagle" + SECOND_ROOT, "eagle3+ngram",
+              "eagle3+ngram" + TWO_CHAINS, "peagle+ngram", "peagle+ngram" + TWO_CHAINS):
         if m in drafters:
             configs += [(m, k) for k in args.ks]
     if ("none", 0) not in configs:

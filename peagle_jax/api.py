@@ -26,6 +26,8 @@ log = logging.getLogger("peagle_jax")
 #: (prompt lookup) and takes no head; "peagle+ngram" / "eagle3+ngram" pair the head with it.
 LOAD_METHODS = ("auto", "none", "eagle3", "peagle", "ngram", "eagle3+ngram", "peagle+ngram")
 HYBRID_METHODS = ("eagle3+ngram", "peagle+ngram")
+#: Methods whose head may also propose its second choice for the first draft (`second_root`).
+SECOND_ROOT_METHODS = ("eagle3", "peagle")
 
 
 def chat_ids(tokenizer, messages: Sequence[Mapping[str, str]] | str) -> list[int]:
@@ -147,6 +149,19 @@ class LoadedModel:
         return speculative_generate(self.target, self.drafter, prompts, **kwargs)
 
 
+def _exact_two_chains(requested: bool, attention: str | None, option: str) -> bool:
+    """`requested`, unless this host's attention would round a second chain's rows differently
+    from their natural rows (then a two-chain verify could change greedy tokens: warn, refuse)."""
+    from peagle_jax.generate.tree import two_chains_exact_here
+
+    if requested and not two_chains_exact_here(attention or "xla"):
+        log.warning("%s: on this host the attention rounds a second chain's rows differently from their natural "
+                    "rows (generate.tree.second_chain_mismatches), so a two-chain verify could change greedy "
+                    "tokens; verifying one chain per round instead", option)
+        return False
+    return requested
+
+
 def load(
     model: str | None = None,
     *,
@@ -163,6 +178,7 @@ def load(
     prompt_lookup_max: int = 4,
     head_draft_tokens: int | None = None,
     two_chains: bool = False,
+    second_root: bool = False,
 ) -> LoadedModel:
     """Load and configure a target model and its draft head.
 
@@ -185,6 +201,8 @@ def load(
       on its first drafts (`drafters.hybrid`).
     two_chains: in an "X+ngram" method, verify the head's and the lookup's drafts together in
       one target forward where the lookup matches (greedy rounds; `generate.tree`).
+    second_root: in a head method ("eagle3", "peagle"), also verify the head's second choice for
+      the first draft, in the same target forward (greedy rounds; `drafters.drafting.second_choice`).
 
     Raises FileNotFoundError / ValueError with a message naming the bad setting.
     """
@@ -209,6 +227,9 @@ def load(
                          f"({', '.join(HYBRID_METHODS)}) and a value >= 1; got method {method!r}")
     if two_chains and method not in HYBRID_METHODS:
         raise ValueError(f"two_chains needs a method X+ngram ({', '.join(HYBRID_METHODS)}); got method {method!r}")
+    if second_root and (method not in ("auto", *SECOND_ROOT_METHODS) or head_spec is None):
+        raise ValueError(f"second_root needs a draft head and a head method ({', '.join(SECOND_ROOT_METHODS)} "
+                         f"or auto); got method {method!r}" + (" without a head" if head_spec is None else ""))
     if head_spec is None and method in ("eagle3", "peagle", *HYBRID_METHODS):
         raise ValueError(f"method {method!r} needs a draft head (drafter=DIR)"
                          + ("" if is_default_model(model) else "; only the default model ships one"))
@@ -242,16 +263,14 @@ def load(
         llm.drafter = llm.load_head(head_spec)
         if method.startswith("peagle") and not llm.drafter.can_draft_parallel:
             raise ValueError(f"method {method!r} needs a parallel-drafting head; {head_spec} drafts sequentially")
+        if method in ("auto", *SECOND_ROOT_METHODS):
+            llm.drafter.second_root = _exact_two_chains(second_root, attention, "second_root")
+            llm.options["second_root"] = llm.drafter.second_root
         if method in HYBRID_METHODS:
             from peagle_jax.drafters.hybrid import HybridProposer
             from peagle_jax.drafters.ngram import NgramProposer
-            from peagle_jax.generate.tree import two_chains_exact_here
 
-            if two_chains and not two_chains_exact_here(attention or "xla"):
-                log.warning("two_chains: on this host the attention rounds a second chain's rows differently "
-                            "from their natural rows (generate.tree.second_chain_mismatches), so a two-chain "
-                            "verify could change greedy tokens; verifying one chain per round instead")
-                two_chains = False
+            two_chains = _exact_two_chains(two_chains, attention, "two_chains")
             llm.options["two_chains"] = two_chains
 
             llm.drafter = HybridProposer(llm.drafter, NgramProposer(prompt_lookup_min, prompt_lookup_max),

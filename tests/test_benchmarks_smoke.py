@@ -30,7 +30,8 @@ def test_offline_random_heads(tmp_path):
 
     out = tmp_path / "offline"
     s = offline.main(["--target", "tiny", "--random-heads", "--dataset", "mtbench", "--limit", "2", "--ks", "2",
-                      "--batch-sizes", "2", "--max-new-tokens", "6", "--no-hf-peer", "--out", str(out)])
+                      "--batch-sizes", "2", "--max-new-tokens", "6", "--no-hf-peer", "--second-root", "both",
+                      "--out", str(out)])
     for f in ("offline.json", "offline.md", "offline_throughput.png", "offline_acceptance.png"):
         assert (out / f).stat().st_size > 0, f
     doc = json.loads((out / "offline.json").read_text())
@@ -38,7 +39,8 @@ def test_offline_random_heads(tmp_path):
     _check_machine(doc["machine"])
     rows = doc["results"]
     assert {(r["method"], r["k"], r["batch_size"]) for r in rows} == {
-        (m, k, b) for m, k in (("none", 0), ("eagle3", 2), ("peagle", 2)) for b in (2,)}
+        (m, k, b) for m, k in (("none", 0), ("eagle3", 2), ("peagle", 2), ("eagle3/2r", 2), ("peagle/2r", 2))
+        for b in (2,)}  # X/2r: the head's runner-up for the first draft verified too (--second-root both)
     for r in rows:
         assert _finite_positive(r["tok_s"]) and _finite_positive(r["speedup_vs_none"])
         assert 0 < r["tokens"] <= 2 * 6  # 2 prompts x 6 tokens

@@ -261,6 +261,22 @@ def test_load_keeps_two_chains_only_where_they_are_exact(monkeypatch):
     monkeypatch.setattr(tree, "two_chains_exact_here", lambda implementation="xla": False)
     llm = load(None, method="peagle+ngram", two_chains=True)
     assert llm.options["two_chains"] is False and llm.drafter.two_chains is False
+    llm = load(None, method="peagle", second_root=True)  # the head's runner-up is a second chain too
+    assert llm.options["second_root"] is False and llm.drafter.second_root is False
+
+
+def test_load_gives_the_head_its_second_root_or_refuses_it():
+    """`load(second_root=True)` sets the head's flag where its two-chain verify is exact (and
+    says so in `options`); without a head method it is refused before any model is loaded."""
+    from peagle_jax.api import load
+    from peagle_jax.generate import tree
+
+    llm = load(None, second_root=True)  # auto: the shipped P-EAGLE head
+    exact = tree.two_chains_exact_here(llm.options["attention"] or "xla")
+    assert llm.method == "peagle" and llm.options["second_root"] == llm.drafter.second_root == exact
+    for method in ("none", "ngram", "peagle+ngram"):
+        with pytest.raises(ValueError, match="second_root needs a draft head and a head method"):
+            load(None, method=method, second_root=True)
 
 
 # --------------------------------------------------------------------------- two chains, one forward

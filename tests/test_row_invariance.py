@@ -113,3 +113,29 @@ def test_greedy_speculative_matches_plain_in_bf16(smollm2_bf16, method, k):
         assert spec.tokens == plain.tokens
         accept.append(spec.mean_acceptance_length)
     assert max(accept) > 1.0, accept  # the shipped head drafts something right
+
+
+@pytest.mark.parametrize(("method", "k"), [("peagle", 2), ("eagle3", 1)])
+def test_second_root_is_exact_and_wins_rounds(method, k):
+    """The shipped head's runner-up for the first draft, verified as a second chain in the
+    same forward (`drafting.second_choice`), keeps plain decoding's bf16 tokens, and takes
+    fewer rounds for them: the second chain wins where the first draft is rejected."""
+    from peagle_jax.api import load
+    from peagle_jax.generate import tree
+
+    llm = load(None, method=method, second_root=True)
+    if not llm.drafter.second_root:
+        pytest.skip("two-chain verify is not exact with this host's attention (load turned it off)")
+    assert tree.two_chains_exact_here(llm.options["attention"] or "xla")
+    one_root = nnx.clone(llm.drafter)
+    one_root.second_root = False
+    prompts = [encode_prompt(llm.tokenizer, {"kind": "chat", "text": m}) for m in MESSAGES]
+    plain = speculative_generate(llm.target, None, prompts, method="none", max_new_tokens=BUDGET,
+                                 eos_token_ids=llm.eos_ids)
+    rounds = {}
+    for name, head in (("one", one_root), ("two", llm.drafter)):
+        out = speculative_generate(llm.target, head, prompts, method=method, num_draft_tokens=k,
+                                   max_new_tokens=BUDGET, eos_token_ids=llm.eos_ids)
+        assert out.tokens == plain.tokens, name
+        rounds[name] = out.total_rounds
+    assert rounds["two"] < rounds["one"], rounds

@@ -86,6 +86,9 @@ def test_config_yaml_and_flags(tmp_path):
         ServeConfig(max_batch_size=0)
     with pytest.raises(ValidationError):
         ServeConfig(drafter="none", method="peagle")
+    assert config_from_args(build_parser().parse_args(["--second-root", "--method", "peagle"])).second_root
+    with pytest.raises(ValidationError, match="second_root applies to"):
+        config_from_args(build_parser().parse_args(["--second-root", "--method", "peagle+ngram"]))
 
 
 def test_shipped_configs_validate():

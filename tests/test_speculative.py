@@ -55,6 +55,33 @@ def test_greedy_exact_with_random_drafter(target, drafter, reference, method, k)
     assert out.accepted_per_position.shape == (k,)
 
 
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_second_root_keeps_greedy_exact_and_sampling_runs_one_chain(target, drafter, reference, method, k):
+    """The head's runner-up for the first draft, verified as a second chain in the same
+    forward (greedy), keeps plain decoding's tokens; sampled rounds propose no second chain."""
+    head = nnx.clone(drafter)
+    head.second_root = True
+    out = speculative_generate(target, head, PROMPTS, method=method, num_draft_tokens=k,
+                               max_new_tokens=24, eos_token_ids=[EOS])
+    assert out.tokens == [t[:24] for t in reference.tokens]
+    sampled = speculative_generate(target, head, PROMPTS, method=method, num_draft_tokens=k, max_new_tokens=8,
+                                   temperature=0.8, seed=3)
+    assert all(len(t) == 8 for t in sampled.tokens)
+
+
+def test_second_choice_is_the_runner_up_never_the_first_draft(drafter):
+    from peagle_jax.drafters.drafting import second_choice
+
+    v = drafter.config.draft_vocab_size
+    logits = jnp.full((3, v), -1.0).at[0, 1].set(5.0).at[0, 2].set(5.0)  # a tie: the lower id drafts first
+    logits = logits.at[1, 0].set(3.0).at[1, 5].set(2.0).at[2, 7].set(1.0)  # row 2: every other id ties
+    branch = second_choice(drafter, logits)
+    want = drafter.to_target_ids(jnp.asarray([2, 5, 0]))
+    assert branch.tokens.shape == (3, 1) and np.array_equal(branch.tokens[:, 0], want)
+    assert np.array_equal(branch.num_drafts, [1, 1, 1])
+
+
 def test_k_left_out_is_the_backends_measured_default(target, drafter, reference):
     from peagle_jax.generate import default_num_draft_tokens
 

@@ -78,6 +78,9 @@ class Eagle3Drafter(nnx.Module):
         self.config = cfg
         self.mesh = None  # set by peagle_jax.sharding.shard_module
         self.kv_cache_dtype: str | None = None  # None = the parameter dtype (models.options)
+        #: Also propose the first draft's runner-up as a second chain in greedy rounds
+        #: (`drafting.second_choice`); `peagle_jax.load(second_root=True)` sets it.
+        self.second_root = False
         dtype = jnp.dtype(cfg.dtype)
         self.embed_tokens = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
         self.fc = Linear(cfg.fc_in_features, cfg.hidden_size, bias=False, dtype=dtype, rngs=rngs)
@@ -125,7 +128,7 @@ class Eagle3Drafter(nnx.Module):
         if settings.parallel and self.mask_hidden is None:
             raise ValueError("P-EAGLE drafting needs a head built for parallel drafting (mask_hidden)")
         draft = draft_parallel if settings.parallel else draft_sequential
-        return draft(self, cache, pending, settings)
+        return draft(self, cache, pending, settings, second_root=self.second_root)
 
     def mask_feature(self) -> Float[Array, " H"]:
         if self.mask_hidden is None:

@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: --num-draft-tokens)")
     p.add_argument("--two-chains", action="store_true",
                    help="X+ngram methods: verify the head's and the lookup's drafts in one forward (greedy)")
+    p.add_argument("--second-root", action="store_true",
+                   help="eagle3 / peagle: also verify the head's second choice for the first draft (greedy)")
     p.add_argument("-k", "--num-draft-tokens", type=int, default=None,
                    help="drafts per round (default: the fastest measured on this backend, 2 on CPU, 3 elsewhere)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                    mesh=args.mesh, attention=args.attention, kv_cache_dtype=args.kv_cache_dtype,
                    fp8_weights=args.fp8_weights, matmul=args.matmul, prompt_lookup_min=args.prompt_lookup_min,
                    prompt_lookup_max=args.prompt_lookup_max, head_draft_tokens=args.head_draft_tokens,
-                   two_chains=args.two_chains)
+                   two_chains=args.two_chains, second_root=args.second_root)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -82,6 +82,8 @@ class ServeConfig(BaseModel):
         "(default: num_draft_tokens)")
     two_chains: bool = Field(False, description="X+ngram methods: verify the head's and the lookup's drafts "
                              "together in one forward where the lookup matches (greedy rounds)")
+    second_root: bool = Field(False, description="eagle3 / peagle: also verify the head's second choice for "
+                              "the first draft in the same forward (greedy rounds)")
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     attention: Literal["xla", "cpu", "triton", "mosaic", "auto"] | None = Field(
         None, description="cache-attention implementation (Pallas kernels on GPU; default: cpu, "
@@ -153,6 +155,8 @@ class ServeConfig(BaseModel):
                              f"not {self.method!r}")
         if self.two_chains and not self.method.endswith("+ngram"):
             raise ValueError(f"two_chains applies to the methods eagle3+ngram and peagle+ngram, not {self.method!r}")
+        if self.second_root and self.method not in ("auto", "eagle3", "peagle"):
+            raise ValueError(f"second_root applies to the methods auto, eagle3 and peagle, not {self.method!r}")
         check_prefill_chunk(self.prefill_chunk, self.min_prompt_bucket)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
@@ -181,6 +185,8 @@ _FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
                                                    "lookup has no match (default: --num-draft-tokens)")),
     (("--two-chains",), dict(action="store_const", const=True, help="X+ngram methods: verify the head's and "
                                                                     "the lookup's drafts in one forward")),
+    (("--second-root",), dict(action="store_const", const=True, help="eagle3 / peagle: also verify the head's "
+                                                                      "second choice for the first draft")),
     (("--dtype",), dict(choices=("float32", "bfloat16"))),
     (("--attention",), dict(choices=("xla", "cpu", "triton", "mosaic", "auto"),
                             help="cache-attention implementation (default: cpu where the matmuls run on the CPU "
