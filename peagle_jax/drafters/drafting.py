@@ -151,7 +151,7 @@ def second_choice(drafter: Eagle3Drafter, logits: Float[Array, "B Vd"]) -> Branc
     """The head's second choice for the first draft, as a one-token second chain.
 
     Where the first draft is rejected, the target's token is often the head's runner-up
-    (on HumanEval at batch 1 with the shipped P-EAGLE head, K=2: 1.47 -> 1.60 tokens per
+    (on HumanEval at batch 1 with the shipped P-EAGLE head, K=2: 1.50 -> 1.62 tokens per
     round). Verifying it beside the main chain costs one more verify row, which is cheaper
     than a K+1-th draft that the heads rarely get right. The best id is masked, not taken
     from a top-2, so ties cannot make the runner-up repeat the first draft.
