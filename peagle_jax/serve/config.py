@@ -13,6 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from peagle_jax.api import SECOND_ROOT_METHODS
 from peagle_jax.serve.engine import check_prefill_chunk
 
 __all__ = ["DEFAULT_DRAFTER", "LOOPBACK_HOSTS", "Mesh", "ServeConfig", "build_parser", "config_from_args", "parse_mesh"]
@@ -155,8 +156,9 @@ class ServeConfig(BaseModel):
                              f"not {self.method!r}")
         if self.two_chains and not self.method.endswith("+ngram"):
             raise ValueError(f"two_chains applies to the methods eagle3+ngram and peagle+ngram, not {self.method!r}")
-        if self.second_root and self.method not in ("auto", "eagle3", "peagle"):
-            raise ValueError(f"second_root applies to the methods auto, eagle3 and peagle, not {self.method!r}")
+        if self.second_root and self.method not in ("auto", *SECOND_ROOT_METHODS):
+            raise ValueError(f"second_root applies to the methods auto, {', '.join(SECOND_ROOT_METHODS)}, "
+                             f"not {self.method!r}")
         check_prefill_chunk(self.prefill_chunk, self.min_prompt_bucket)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
