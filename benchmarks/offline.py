@@ -83,6 +83,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--second-root", default="off", choices=("off", "on", "both"),
                     help="eagle3 / peagle: also verify the head's second choice for the first draft in the same "
                          "forward (on), not (off), or both as rows X and X/2r")
+    ap.add_argument("--draft-cutoff", nargs="+", type=float, default=None,
+                    help="eagle3 / peagle: verify only the leading drafts whose product of head probabilities is "
+                         ">= this (0: all K; default: the library's, generate.default_draft_cutoff). Several "
+                         "values give rows X/cVALUE, one each")
     ap.add_argument("--head-draft-tokens", type=int, default=None,
                     help="X+ngram: drafts the head proposes where the lookup has no match (default: K)")
     ap.add_argument("--ks", nargs="+", type=int, default=[3, 5, 7], help="draft lengths K")
@@ -113,6 +117,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.head_draft_tokens is not None and args.head_draft_tokens < 1:
         ap.error(f"--head-draft-tokens must be >= 1, got {args.head_draft_tokens}")
+    if args.draft_cutoff is not None and not all(0.0 <= c < 1.0 for c in args.draft_cutoff):
+        ap.error(f"--draft-cutoff values must lie in [0, 1), got {args.draft_cutoff}")
+    if args.draft_cutoff is not None and len(args.draft_cutoff) > 1 and args.second_root != "off":
+        ap.error("several --draft-cutoff values and --second-root do not combine (a second chain is verified "
+                 "at the full width K)")
     return args
 
 
@@ -164,9 +173,35 @@ def _drafters(args, llm) -> tuple[dict[str, Any], dict[str, str], dict[str, str]
             skipped[method] = (f"no trained {method} head given (--{method}-head DIR); method skipped. "
                                f"Pass --random-heads to run the pipeline with random-weight heads.")
             print(f"NOTE: {skipped[method]}", file=sys.stderr)
+    _add_cutoffs(args, drafters, labels)  # first: the hybrids and second roots take the head as loaded
     _add_hybrids(args, drafters, labels)  # before: a hybrid wraps the plain head
     _add_second_roots(args, drafters, labels)
     return drafters, labels, skipped
+
+
+def _add_cutoffs(args, drafters: dict[str, Any], labels: dict[str, str]) -> None:
+    """--draft-cutoff: the heads' confidence cutoff (one value: rows X; several: rows X/cVALUE).
+
+    Without the flag the heads keep the library's default (`generate.default_draft_cutoff`),
+    so rows X time what `peagle_jax.load` gives a user.
+    """
+    from flax import nnx
+
+    from peagle_jax.generate import default_draft_cutoff
+
+    cutoffs = args.draft_cutoff or [default_draft_cutoff()]
+    for base in ("peagle", "eagle3"):
+        if base not in drafters:
+            continue
+        if base not in args.methods:  # loaded for a hybrid only, which drafts its own widths
+            drafters[base].draft_cutoff = 0.0
+            continue
+        head, label = drafters.pop(base), labels.pop(base)
+        for c in cutoffs:
+            row = base if len(cutoffs) == 1 else f"{base}{CUTOFF}{c:g}"
+            drafters[row] = nnx.clone(head)  # shares the weights; only the static cutoff differs
+            drafters[row].draft_cutoff = c
+            labels[row] = label + (f", draft cutoff {c:g}" if c > 0 else "")
 
 
 def _add_second_roots(args, drafters: dict[str, Any], labels: dict[str, str]) -> None:
@@ -180,6 +215,7 @@ def _add_second_roots(args, drafters: dict[str, Any], labels: dict[str, str]) ->
             continue
         head = nnx.clone(drafters[base])  # shares the weights; only the static flag differs
         head.second_root = True
+        head.draft_cutoff = 0.0  # a second chain is verified at the full width
         row = base if args.second_root == "on" else base + SECOND_ROOT
         drafters[row], labels[row] = head, f"{labels[base]}, + the first draft's runner-up (second root)"
 
@@ -210,11 +246,14 @@ def _add_hybrids(args, drafters: dict[str, Any], labels: dict[str, str]) -> None
 TWO_CHAINS = "/2c"
 #: Row suffix of a head that also proposes its first draft's runner-up (`--second-root both`).
 SECOND_ROOT = "/2r"
+#: Row infix of a head with one of several confidence cutoffs (`--draft-cutoff A B`: X/cA, X/cB).
+CUTOFF = "/c"
 
 
 def _method_of(row: str) -> str:
-    """The `speculative_generate` method of a result row (X+ngram/2c runs X+ngram, X/2r runs X)."""
-    return row.removesuffix(TWO_CHAINS).removesuffix(SECOND_ROOT)
+    """The `speculative_generate` method of a result row (X+ngram/2c runs X+ngram, X/2r runs X,
+    X/c0.1 runs X)."""
+    return row.removesuffix(TWO_CHAINS).removesuffix(SECOND_ROOT).split(CUTOFF)[0]
 
 
 def _batches(n: int, b: int) -> list[list[int]]:
@@ -240,10 +279,12 @@ def _first_diff(a: list[int], b: list[int]) -> int:
 def _configs(args, drafters: dict[str, Any]) -> list[tuple[str, int]]:
     """(method, K) pairs to time; ("none", 0) is always first, as the reference for speed-ups and tokens."""
     configs: list[tuple[str, int]] = [("none", 0)] if "none" in args.methods else []
-    for m in ("ngram", "eagle3", "eagle3" + SECOND_ROOT, "peagle", "peagle" + SECOND_ROOT, "eagle3+ngram",
-              "eagle3+ngram" + TWO_CHAINS, "peagle+ngram", "peagle+ngram" + TWO_CHAINS):
-        if m in drafters:
-            configs += [(m, k) for k in args.ks]
+    order = ("ngram", "eagle3", "eagle3" + SECOND_ROOT, "peagle", "peagle" + SECOND_ROOT, "eagle3+ngram",
+             "eagle3+ngram" + TWO_CHAINS, "peagle+ngram", "peagle+ngram" + TWO_CHAINS)
+    for m in order:
+        rows = [m] if m in drafters else [r for r in drafters if r.startswith(m + CUTOFF)]
+        for row in rows:
+            configs += [(row, k) for k in args.ks]
     if ("none", 0) not in configs:
         configs.insert(0, ("none", 0))  # the reference for speed-ups and the token check
     return configs

@@ -179,6 +179,7 @@ def load(
     head_draft_tokens: int | None = None,
     two_chains: bool = False,
     second_root: bool = False,
+    draft_cutoff: float | None = None,
 ) -> LoadedModel:
     """Load and configure a target model and its draft head.
 
@@ -203,6 +204,10 @@ def load(
       one target forward where the lookup matches (greedy rounds; `generate.tree`).
     second_root: in a head method ("eagle3", "peagle"), also verify the head's second choice for
       the first draft, in the same target forward (greedy rounds; `drafters.drafting.second_choice`).
+    draft_cutoff: in a head method, verify only the leading drafts whose product of the head's
+      probabilities is >= this, in [0, 1) (`drafters.drafting.confident_drafts`; 0: all K). None:
+      `generate.default_draft_cutoff()` (0.1 on CPU, 0 elsewhere), or 0 with second_root, whose
+      second chain is verified at the full width.
 
     Raises FileNotFoundError / ValueError with a message naming the bad setting.
     """
@@ -230,6 +235,15 @@ def load(
     if second_root and (method not in ("auto", *SECOND_ROOT_METHODS) or head_spec is None):
         raise ValueError(f"second_root needs a draft head and a head method ({', '.join(SECOND_ROOT_METHODS)} "
                          f"or auto); got method {method!r}" + (" without a head" if head_spec is None else ""))
+    if draft_cutoff is not None:
+        if not 0.0 <= draft_cutoff < 1.0:
+            raise ValueError(f"draft_cutoff must lie in [0, 1), got {draft_cutoff}")
+        if draft_cutoff > 0 and (method not in ("auto", *SECOND_ROOT_METHODS) or head_spec is None):
+            raise ValueError(f"draft_cutoff needs a draft head and a head method ({', '.join(SECOND_ROOT_METHODS)} "
+                             f"or auto); got method {method!r}" + (" without a head" if head_spec is None else ""))
+        if draft_cutoff > 0 and second_root:
+            raise ValueError("draft_cutoff and second_root do not combine: the second chain is verified at the "
+                             "full width K, so a cutoff would only drop accepted drafts; set one of them")
     if head_spec is None and method in ("eagle3", "peagle", *HYBRID_METHODS):
         raise ValueError(f"method {method!r} needs a draft head (drafter=DIR)"
                          + ("" if is_default_model(model) else "; only the default model ships one"))
@@ -266,6 +280,12 @@ def load(
         if method in ("auto", *SECOND_ROOT_METHODS):
             llm.drafter.second_root = _exact_two_chains(second_root, attention, "second_root")
             llm.options["second_root"] = llm.drafter.second_root
+            if draft_cutoff is None:
+                from peagle_jax.generate import default_draft_cutoff
+
+                draft_cutoff = 0.0 if second_root else default_draft_cutoff()
+            llm.drafter.draft_cutoff = float(draft_cutoff)
+            llm.options["draft_cutoff"] = llm.drafter.draft_cutoff
         if method in HYBRID_METHODS:
             from peagle_jax.drafters.hybrid import HybridProposer
             from peagle_jax.drafters.ngram import NgramProposer

@@ -56,6 +56,30 @@ def test_offline_random_heads(tmp_path):
     assert s["settings"]["max_new_tokens"] == 6
 
 
+def test_offline_draft_cutoffs_are_rows_of_one_head():
+    """--draft-cutoff A B: one row per cutoff (X/cA, X/cB), each running method X with its own
+    cutoff; one value (or none: the library default) keeps the plain row X."""
+    from benchmarks import offline
+    from peagle_jax.api import LoadedModel
+    from peagle_jax.generate import default_draft_cutoff
+
+    llm = LoadedModel.from_target(offline.common.tiny_target(64, layers=1))
+    args = offline.parse_args(["--target", "tiny", "--random-heads", "--methods", "none", "peagle", "eagle3+ngram",
+                               "--ks", "2", "3", "--draft-cutoff", "0", "0.3", "--no-hf-peer"])
+    drafters, _, _ = offline._drafters(args, llm)
+    assert {r: d.draft_cutoff for r, d in drafters.items() if r.startswith("peagle")} == {"peagle/c0": 0.0,
+                                                                                         "peagle/c0.3": 0.3}
+    assert drafters["eagle3+ngram"].head.draft_cutoff == 0.0  # a hybrid drafts its own widths
+    configs = offline._configs(args, drafters)
+    assert configs[:5] == [("none", 0), ("peagle/c0", 2), ("peagle/c0", 3), ("peagle/c0.3", 2), ("peagle/c0.3", 3)]
+    assert {offline._method_of(m) for m, _ in configs} == {"none", "peagle", "eagle3+ngram"}
+    one, _, _ = offline._drafters(offline.parse_args(["--target", "tiny", "--random-heads", "--methods", "peagle"]),
+                                  llm)
+    assert list(one) == ["peagle"] and one["peagle"].draft_cutoff == default_draft_cutoff()
+    with pytest.raises(SystemExit):
+        offline.parse_args(["--draft-cutoff", "1.5"])
+
+
 def test_offline_without_heads_says_so(tmp_path, capsys):
     from benchmarks import offline
 

@@ -274,9 +274,27 @@ def test_load_gives_the_head_its_second_root_or_refuses_it():
     llm = load(None, second_root=True)  # auto: the shipped P-EAGLE head
     exact = tree.two_chains_exact_here(llm.options["attention"] or "xla")
     assert llm.method == "peagle" and llm.options["second_root"] == llm.drafter.second_root == exact
+    assert llm.drafter.draft_cutoff == llm.options["draft_cutoff"] == 0.0  # the second chain verifies all K
     for method in ("none", "ngram", "peagle+ngram"):
         with pytest.raises(ValueError, match="second_root needs a draft head and a head method"):
             load(None, method=method, second_root=True)
+
+
+def test_load_gives_the_head_its_draft_cutoff_or_refuses_it():
+    """The head gets the backend's default cutoff (0.1 on CPU) or the one asked for; a cutoff
+    outside [0, 1), without a head method, or beside second_root is refused before loading."""
+    from peagle_jax.api import load
+
+    llm = load(None)
+    assert llm.method == "peagle" and llm.drafter.draft_cutoff == llm.options["draft_cutoff"] == 0.1
+    assert load(None, draft_cutoff=0.0).drafter.draft_cutoff == 0.0
+    with pytest.raises(ValueError, match=r"draft_cutoff must lie in \[0, 1\)"):
+        load(None, draft_cutoff=1.0)
+    for method in ("none", "ngram", "peagle+ngram"):
+        with pytest.raises(ValueError, match="draft_cutoff needs a draft head and a head method"):
+            load(None, method=method, draft_cutoff=0.2)
+    with pytest.raises(ValueError, match="draft_cutoff and second_root do not combine"):
+        load(None, draft_cutoff=0.2, second_root=True)
 
 
 # --------------------------------------------------------------------------- two chains, one forward

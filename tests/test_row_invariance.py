@@ -139,3 +139,26 @@ def test_second_root_is_exact_and_wins_rounds(method, k):
         assert out.tokens == plain.tokens, name
         rounds[name] = out.total_rounds
     assert rounds["two"] < rounds["one"], rounds
+
+
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+def test_draft_cutoff_is_exact_alone_and_in_a_batch(method):
+    """The shipped head with the default cutoff (`load`: 0.1 on CPU) and K=3 keeps plain
+    decoding's bf16 tokens at batch 1, where a round verifies 1 to 4 rows, and in a batch,
+    where it verifies as many as the most confident sequence needs and each sequence accepts
+    at most its own confident drafts."""
+    from peagle_jax.api import load
+
+    llm = load(None, method=method)
+    assert llm.drafter.draft_cutoff > 0
+    prompts = [encode_prompt(llm.tokenizer, {"kind": "chat", "text": m}) for m in MESSAGES]
+    plain = speculative_generate(llm.target, None, prompts, method="none", max_new_tokens=BUDGET,
+                                 eos_token_ids=llm.eos_ids)
+    accepted = 0
+    for prompt, want in zip(prompts, plain.tokens, strict=True):
+        out = llm.generate([prompt], num_draft_tokens=3, max_new_tokens=BUDGET)
+        assert out.tokens == [want]
+        accepted += out.accepted_per_position.sum()
+    assert accepted > 0  # the head's confident drafts were verified and taken
+    batch = llm.generate(prompts, num_draft_tokens=3, max_new_tokens=BUDGET)
+    assert batch.tokens == plain.tokens

@@ -89,6 +89,13 @@ def test_config_yaml_and_flags(tmp_path):
     assert config_from_args(build_parser().parse_args(["--second-root", "--method", "peagle"])).second_root
     with pytest.raises(ValidationError, match="second_root applies to"):
         config_from_args(build_parser().parse_args(["--second-root", "--method", "peagle+ngram"]))
+    assert config_from_args(build_parser().parse_args(["--draft-cutoff", "0.2"])).draft_cutoff == 0.2
+    with pytest.raises(ValidationError, match="draft_cutoff applies to"):
+        config_from_args(build_parser().parse_args(["--draft-cutoff", "0.2", "--method", "ngram"]))
+    with pytest.raises(ValidationError, match="do not combine"):
+        config_from_args(build_parser().parse_args(["--draft-cutoff", "0.2", "--second-root"]))
+    with pytest.raises(ValidationError, match="draft_cutoff"):
+        ServeConfig(draft_cutoff=1.0)
 
 
 def test_shipped_configs_validate():

@@ -82,10 +82,53 @@ def test_second_choice_is_the_runner_up_never_the_first_draft(drafter):
     assert np.array_equal(branch.num_drafts, [1, 1, 1])
 
 
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_draft_cutoff_keeps_greedy_exact_and_verifies_only_confident_drafts(target, drafter, reference, method, k):
+    """A head with a confidence cutoff gives plain decoding's tokens whatever it verifies: at a
+    cutoff no draft clears, every round is a plain step (one token, nothing accepted); at 0,
+    rounds are exactly those of the head without a cutoff; sampled rounds run too."""
+    budget = 24
+    never, always = nnx.clone(drafter), nnx.clone(drafter)
+    never.draft_cutoff, always.draft_cutoff = 0.999, 0.0  # random heads spread over the vocabulary
+    kw = dict(method=method, num_draft_tokens=k, max_new_tokens=budget, eos_token_ids=[EOS])
+    plain_rounds = speculative_generate(target, never, PROMPTS, **kw)
+    assert plain_rounds.tokens == [t[:budget] for t in reference.tokens]
+    assert plain_rounds.accepted_per_position.sum() == 0
+    assert list(plain_rounds.rounds) == [len(t) - 1 for t in plain_rounds.tokens]
+    full = speculative_generate(target, always, PROMPTS, **kw)
+    plain_head = speculative_generate(target, drafter, PROMPTS, **kw)
+    assert full.tokens == plain_head.tokens and np.array_equal(full.rounds, plain_head.rounds)
+    sampled = speculative_generate(target, never, PROMPTS, method=method, num_draft_tokens=k, max_new_tokens=8,
+                                   temperature=0.8, seed=3)
+    assert all(len(t) == 8 for t in sampled.tokens)
+
+
+def test_confident_drafts_is_the_prefix_whose_probability_product_clears_the_cutoff():
+    from peagle_jax.drafters.drafting import confident_drafts
+
+    conf = jnp.asarray([[0.9, 0.5, 0.9], [0.05, 0.99, 0.99], [0.6, 0.9, 0.9], [1.0, 1.0, 1.0]])
+    # products: [.9 .45 .405], [.05 .0495 .049], [.6 .54 .486], [1 1 1]
+    assert np.array_equal(confident_drafts(conf, 0.42), [2, 0, 3, 3])
+    assert np.array_equal(confident_drafts(conf, 0.5), [1, 0, 2, 3])
+    assert np.array_equal(confident_drafts(conf, 0.0), [3, 3, 3, 3])
+
+
+def test_draft_cutoff_and_second_root_are_refused_together(target, drafter):
+    both = nnx.clone(drafter)
+    both.second_root, both.draft_cutoff = True, 0.1
+    with pytest.raises(ValueError, match="second_root and draft_cutoff do not combine"):
+        speculative_generate(target, both, PROMPTS, method="peagle", num_draft_tokens=2, max_new_tokens=4)
+
+
 def test_k_left_out_is_the_backends_measured_default(target, drafter, reference):
-    from peagle_jax.generate import default_num_draft_tokens
+    from peagle_jax.generate import default_draft_cutoff, default_num_draft_tokens
 
     assert default_num_draft_tokens() == 2  # CPU (this suite runs on CPU): README, sessions 21-25
+    assert default_draft_cutoff() == 0.1  # CPU: README, session 27
+    with_cutoff = nnx.clone(drafter)
+    with_cutoff.draft_cutoff = 0.1
+    assert default_num_draft_tokens(with_cutoff) == 3  # the cutoff makes K=3 the faster (session 27)
     out = speculative_generate(target, drafter, PROMPTS, max_new_tokens=24, eos_token_ids=[EOS])
     assert out.num_draft_tokens == 2 and out.accepted_per_position.shape == (2,)
     assert out.tokens == [t[:24] for t in reference.tokens]
@@ -205,23 +248,26 @@ def _exact_joint(target, prompt, temperature, top_p):
     return np.stack([p1[a] * probs_after(prompt + [a]) for a in range(SMALL_V)])
 
 
-@pytest.mark.parametrize("method", ["peagle", "eagle3", "ngram", "peagle+ngram", "peagle+ngram/2c"])
+@pytest.mark.parametrize("method", ["peagle", "eagle3", "ngram", "peagle+ngram", "peagle+ngram/2c", "peagle/cut"])
 def test_sampling_matches_target_distribution(small_target, method):
     # peagle+ngram/2c: the hybrid built to verify both chains in greedy rounds; sampled rounds
-    # take one chain per round (drafters.hybrid), which must stay exact.
+    # take one chain per round (drafters.hybrid), which must stay exact. peagle/cut: a head
+    # with a confidence cutoff, so sequences in one verify may accept different numbers of drafts.
     prompt, n = [1, 2, 3], 20000
     if method != "ngram":
         cfg = DrafterConfig.for_target(small_target.config, num_layers=1, parallel_drafting=True,
                                        mask_token_id=SMALL_V - 1)
         drafter = create_drafter(cfg, seed=4)
         drafter.lm_head.value = drafter.lm_head.value * 30.0  # a confident (and often wrong) drafter
+        if method == "peagle/cut":
+            drafter.draft_cutoff = 0.3  # cuts most chains here, not all
     if "ngram" in method:
         # A repetitive prompt and 2-grams: the context drafter proposes in some rounds (and the
         # hybrid's head in the others).
         prompt, lookup = [1, 2, 3, 1, 2, 3, 1, 2], NgramProposer(2, 3)
         drafter = lookup if method == "ngram" else HybridProposer(drafter, lookup, two_chains=method.endswith("/2c"))
     exact = _exact_joint(small_target, prompt, 0.8, 0.9)
-    out = speculative_generate(small_target, drafter, [prompt] * n, method=method.removesuffix("/2c"),
+    out = speculative_generate(small_target, drafter, [prompt] * n, method=method.split("/")[0],
                                num_draft_tokens=3,
                                max_new_tokens=2, temperature=0.8, top_p=0.9, seed=11)
     p = _chi_square_p(np.array([t[:2] for t in out.tokens]), exact)

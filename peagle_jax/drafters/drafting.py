@@ -17,7 +17,9 @@ The two ways an EAGLE-3 head drafts live here too:
   draft_sequential  EAGLE-3: one forward over the pending rows, then K-1 single-row
                     forwards feeding back the drafted token and the pre-norm hidden state.
 Either can also propose the head's second choice for the first draft (`second_choice`), a
-one-token second chain the round verifies in the same target forward (`generate.tree`).
+one-token second chain the round verifies in the same target forward (`generate.tree`), or
+stop its chain where the head is no longer confident (`confident_drafts`), so the round
+verifies only the drafts worth a verify row.
 """
 
 from __future__ import annotations
@@ -135,16 +137,46 @@ def pad_rows(x: jax.Array, rows: int) -> jax.Array:
 
 def _draft_tokens_from_logits(
     drafter: Eagle3Drafter, logits: Float[Array, "B K Vd"], key, sp: SamplingParams, greedy: bool, vocab: int
-) -> tuple[Int[Array, "B K"], Float[Array, "B K V"] | None]:
-    """Draft ids (target vocabulary) and, when sampling, q over the target vocabulary."""
+) -> tuple[Int[Array, "B K"], Float[Array, "B K V"] | None, Float[Array, "B K"]]:
+    """Draft ids (target vocabulary), q over the target vocabulary when sampling, and the head's
+    confidence at each draft position for `confident_drafts`: its top-1 probability (softmax at
+    temperature 1). That is the greedy draft's probability; in a sampled round it is NOT the
+    drawn draft's, on purpose: whether a draft is verified must not depend on which token was
+    drawn, or the verified drafts would no longer follow q and rejection sampling would be biased."""
     if greedy:
-        return drafter.to_target_ids(sampling.greedy_token(logits)), None
-    draft_ids, q_draft = sampling.draft_from_logits(key, logits, sp.temperature, sp.top_k, sp.top_p)
-    target_ids = drafter.to_target_ids(draft_ids)
-    # q over the target vocabulary: draft-vocab probabilities scattered to their target ids.
-    vocab_ids = drafter.to_target_ids(jnp.arange(logits.shape[-1]))
-    q_full = jnp.zeros(logits.shape[:2] + (vocab,), jnp.float32).at[..., vocab_ids].set(q_draft)
-    return target_ids, q_full
+        draft_ids, q_full = sampling.greedy_token(logits), None
+    else:
+        draft_ids, q_draft = sampling.draft_from_logits(key, logits, sp.temperature, sp.top_k, sp.top_p)
+        # q over the target vocabulary: draft-vocab probabilities scattered to their target ids.
+        vocab_ids = drafter.to_target_ids(jnp.arange(logits.shape[-1]))
+        q_full = jnp.zeros(logits.shape[:2] + (vocab,), jnp.float32).at[..., vocab_ids].set(q_draft)
+    logits32 = logits.astype(jnp.float32)
+    confidence = jnp.exp(jnp.max(logits32, axis=-1) - jax.nn.logsumexp(logits32, axis=-1))
+    return drafter.to_target_ids(draft_ids), q_full, confidence
+
+
+def confident_drafts(confidence: Float[Array, "B K"], cutoff: float) -> Int[Array, " B"]:
+    """How many leading drafts to verify: the longest chain whose product of the head's top-1
+    probabilities stays >= `cutoff` (0 drafts when even the first is below it).
+
+    The product estimates the chance that the whole chain is accepted; the shipped heads are
+    calibrated (HumanEval, K=3: rounds whose first draft has p < 0.1 accept it 8% of the time,
+    p >= 0.8 75%). A verify row costs a tenth of a decode step on a CPU, so a draft that is
+    unlikely to be accepted is cheaper left out; a chain stopped at 0 drafts makes the round a
+    plain 1-row decode step (`generate.steps._target_step`). Greedy output stays plain
+    decoding's, and sampling stays exact because the confidences depend on the context, not on
+    the drafts drawn: fewer drafts are proposed, that is all.
+    """
+    return jnp.sum(jnp.cumprod(confidence, axis=1) >= cutoff, axis=1).astype(jnp.int32)
+
+
+def _proposal(drafts, q, cache, confidence, cutoff: float, branch: Branch | None) -> Proposal:
+    """A head's Proposal: all K drafts, or with a cutoff the confident prefix (widths 0..K)."""
+    if cutoff <= 0.0:
+        return Proposal(drafts, q, cache, branch=branch)
+    k = drafts.shape[1]
+    return Proposal(drafts, q, cache, num_drafts=confident_drafts(confidence, cutoff), widths=tuple(range(k + 1)),
+                    branch=branch)
 
 
 def second_choice(drafter: Eagle3Drafter, logits: Float[Array, "B Vd"]) -> Branch:
@@ -163,9 +195,10 @@ def second_choice(drafter: Eagle3Drafter, logits: Float[Array, "B Vd"]) -> Branc
 
 
 def draft_parallel(drafter: Eagle3Drafter, cache: KVCache, pending: Pending, ds: DraftSettings, *,
-                   second_root: bool = False) -> Proposal:
-    """P-EAGLE: K drafts from ONE forward over [pending | K-1 mask slots] (and, with
-    `second_root` in greedy rounds, the first draft's runner-up as a second chain)."""
+                   second_root: bool = False, cutoff: float = 0.0) -> Proposal:
+    """P-EAGLE: K drafts from ONE forward over [pending | K-1 mask slots] (with `second_root` in
+    greedy rounds also the first draft's runner-up as a second chain; with `cutoff` > 0 only
+    the confident prefix of the chain, `confident_drafts`)."""
     cfg = drafter.config
     k = ds.num_draft_tokens
     rows = pending.tokens.shape[1] + k - 1
@@ -178,15 +211,15 @@ def draft_parallel(drafter: Eagle3Drafter, cache: KVCache, pending: Pending, ds:
     positions = pending.base[:, None] + j
     logit_rows = c - 1 + jnp.arange(k)[None, :]  # last pending row + K-1 mask rows
     out = drafter(tokens, feats, positions, cache, logit_rows=logit_rows)
-    drafts, q = _draft_tokens_from_logits(drafter, out.logits, ds.key, ds.sampling, ds.greedy, ds.vocab)
+    drafts, q, confidence = _draft_tokens_from_logits(drafter, out.logits, ds.key, ds.sampling, ds.greedy, ds.vocab)
     branch = second_choice(drafter, out.logits[:, 0]) if second_root and ds.greedy else None
-    return Proposal(drafts, q, out.cache, branch=branch)
+    return _proposal(drafts, q, out.cache, confidence, cutoff, branch)
 
 
 def draft_sequential(drafter: Eagle3Drafter, cache: KVCache, pending: Pending, ds: DraftSettings, *,
-                     second_root: bool = False) -> Proposal:
-    """EAGLE-3: one forward over the pending rows, then K-1 single-row forwards (and, with
-    `second_root` in greedy rounds, the first draft's runner-up as a second chain)."""
+                     second_root: bool = False, cutoff: float = 0.0) -> Proposal:
+    """EAGLE-3: one forward over the pending rows, then K-1 single-row forwards (with
+    `second_root` and `cutoff` as in `draft_parallel`)."""
     b, w = pending.tokens.shape
     c = pending.count[:, None]
     positions = pending.base[:, None] + jnp.arange(w)[None, :]
@@ -196,7 +229,7 @@ def draft_sequential(drafter: Eagle3Drafter, cache: KVCache, pending: Pending, d
         return _draft_tokens_from_logits(drafter, logits, key, ds.sampling, ds.greedy, ds.vocab)
 
     out = drafter(pending.tokens, pending.feats, positions, cache, logit_rows=c - 1)
-    tok, q = sample(out.logits, keys[0])
+    tok, q, conf = sample(out.logits, keys[0])
     branch = second_choice(drafter, out.logits[:, 0]) if second_root and ds.greedy else None
     hidden = jnp.take_along_axis(out.prenorm, (c - 1)[..., None], axis=1)  # [B, 1, H]
     last_pos = pending.base + pending.count - 1
@@ -204,13 +237,13 @@ def draft_sequential(drafter: Eagle3Drafter, cache: KVCache, pending: Pending, d
     def step(carry, i):
         cache, tok, hidden = carry
         o = drafter(tok, hidden, (last_pos + i)[:, None], cache, logit_rows=jnp.zeros((b, 1), jnp.int32))
-        nt, nq = sample(o.logits, keys[i])
-        return (o.cache, nt, o.prenorm), (nt[:, 0], None if nq is None else nq[:, 0])
+        nt, nq, nc = sample(o.logits, keys[i])
+        return (o.cache, nt, o.prenorm), (nt[:, 0], None if nq is None else nq[:, 0], nc[:, 0])
 
     cache = out.cache
     if ds.num_draft_tokens == 1:
-        return Proposal(tok, q, cache, branch=branch)
-    (cache, _, _), (toks, qs) = jax.lax.scan(step, (cache, tok, hidden), jnp.arange(1, ds.num_draft_tokens))
+        return _proposal(tok, q, cache, conf, cutoff, branch)
+    (cache, _, _), (toks, qs, confs) = jax.lax.scan(step, (cache, tok, hidden), jnp.arange(1, ds.num_draft_tokens))
     drafts = jnp.concatenate([tok, toks.T], axis=1)
     probs = None if q is None else jnp.concatenate([q, jnp.moveaxis(qs, 0, 1)], axis=1)
-    return Proposal(drafts, probs, cache, branch=branch)
+    return _proposal(drafts, probs, cache, jnp.concatenate([conf, confs.T], axis=1), cutoff, branch)

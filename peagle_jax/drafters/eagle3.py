@@ -81,6 +81,9 @@ class Eagle3Drafter(nnx.Module):
         #: Also propose the first draft's runner-up as a second chain in greedy rounds
         #: (`drafting.second_choice`); `peagle_jax.load(second_root=True)` sets it.
         self.second_root = False
+        #: Verify only the leading drafts whose product of head probabilities is >= this
+        #: (`drafting.confident_drafts`; 0: all K); `peagle_jax.load(draft_cutoff=...)` sets it.
+        self.draft_cutoff = 0.0
         dtype = jnp.dtype(cfg.dtype)
         self.embed_tokens = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
         self.fc = Linear(cfg.fc_in_features, cfg.hidden_size, bias=False, dtype=dtype, rngs=rngs)
@@ -127,8 +130,11 @@ class Eagle3Drafter(nnx.Module):
         """K drafts: one parallel forward (P-EAGLE) or K sequential ones (EAGLE-3)."""
         if settings.parallel and self.mask_hidden is None:
             raise ValueError("P-EAGLE drafting needs a head built for parallel drafting (mask_hidden)")
+        if self.second_root and self.draft_cutoff > 0:
+            raise ValueError("second_root and draft_cutoff do not combine: a second chain is verified at the "
+                             "full width K, so the cutoff would only drop accepted drafts; choose one")
         draft = draft_parallel if settings.parallel else draft_sequential
-        return draft(self, cache, pending, settings, second_root=self.second_root)
+        return draft(self, cache, pending, settings, second_root=self.second_root, cutoff=float(self.draft_cutoff))
 
     def mask_feature(self) -> Float[Array, " H"]:
         if self.mask_hidden is None:

@@ -2,6 +2,7 @@
 
 from peagle_jax.generate.speculative import (
     GenerationResult,
+    default_draft_cutoff,
     default_num_draft_tokens,
     prompt_bucket,
     speculative_generate,
@@ -11,5 +12,5 @@ from peagle_jax.sampling import SamplingParams
 
 __all__ = [
     "GenerationResult", "METHODS", "SamplingParams", "SpecConfig", "SpecState", "prefill", "prompt_bucket",
-    "default_num_draft_tokens", "spec_round", "speculative_generate",
+    "default_draft_cutoff", "default_num_draft_tokens", "spec_round", "speculative_generate",
 ]

@@ -34,8 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="X+ngram methods: verify the head's and the lookup's drafts in one forward (greedy)")
     p.add_argument("--second-root", action="store_true",
                    help="eagle3 / peagle: also verify the head's second choice for the first draft (greedy)")
+    p.add_argument("--draft-cutoff", type=float, default=None,
+                   help="eagle3 / peagle: verify only the leading drafts whose product of head probabilities is "
+                        ">= this, in [0, 1) (0: all K; default: 0.1 on CPU, 0 elsewhere)")
     p.add_argument("-k", "--num-draft-tokens", type=int, default=None,
-                   help="drafts per round (default: the fastest measured on this backend, 2 on CPU, 3 elsewhere)")
+                   help="drafts per round (default: the fastest measured on this backend: 3, or 2 on CPU for a "
+                        "head without a draft cutoff)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -74,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                    mesh=args.mesh, attention=args.attention, kv_cache_dtype=args.kv_cache_dtype,
                    fp8_weights=args.fp8_weights, matmul=args.matmul, prompt_lookup_min=args.prompt_lookup_min,
                    prompt_lookup_max=args.prompt_lookup_max, head_draft_tokens=args.head_draft_tokens,
-                   two_chains=args.two_chains, second_root=args.second_root)
+                   two_chains=args.two_chains, second_root=args.second_root, draft_cutoff=args.draft_cutoff)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

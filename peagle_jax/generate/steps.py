@@ -233,7 +233,8 @@ def _target_step(target: CausalLM, state: SpecState, proposal: Proposal, key: ja
     """The target's part of a round: (cache, accepted count m, next token, feature taps, drafts).
 
     A proposer that drafts fewer than K tokens for some sequences (prompt lookup without a
-    match, a hybrid whose head drafts few) reports `num_drafts` and the static `widths` it
+    match, a hybrid whose head drafts few, a head stopped by its confidence cutoff) reports
+    `num_drafts` and the static `widths` it
     takes. The round then verifies w+1 rows for the smallest width w that holds every active
     sequence's drafts (capped by its draft limit), w = 0 being a plain 1-row decode step: one
     program per width is compiled and `lax.switch` picks one per round. A sequence accepts at

@@ -75,7 +75,7 @@ class ServeConfig(BaseModel):
     method: Literal["auto", "none", "eagle3", "peagle", "ngram", "eagle3+ngram", "peagle+ngram"] = "auto"
     num_draft_tokens: int | None = Field(
         None, ge=1, le=32, description="drafts per round (default: the fastest measured on this backend, "
-        "2 on CPU, 3 elsewhere; generate.default_num_draft_tokens)")
+        "3, or 2 on CPU for a head without a draft cutoff; generate.default_num_draft_tokens)")
     prompt_lookup_min: int = Field(2, ge=1, description="smallest n-gram method 'ngram' matches")
     prompt_lookup_max: int = Field(4, ge=1, description="largest n-gram method 'ngram' matches")
     head_draft_tokens: int | None = Field(
@@ -85,6 +85,9 @@ class ServeConfig(BaseModel):
                              "together in one forward where the lookup matches (greedy rounds)")
     second_root: bool = Field(False, description="eagle3 / peagle: also verify the head's second choice for "
                               "the first draft in the same forward (greedy rounds)")
+    draft_cutoff: float | None = Field(
+        None, ge=0.0, lt=1.0, description="eagle3 / peagle: verify only the leading drafts whose product of head "
+        "probabilities is >= this (0: all; default: 0.1 on CPU, 0 elsewhere; generate.default_draft_cutoff)")
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     attention: Literal["xla", "cpu", "triton", "mosaic", "auto"] | None = Field(
         None, description="cache-attention implementation (Pallas kernels on GPU; default: cpu, "
@@ -159,6 +162,12 @@ class ServeConfig(BaseModel):
         if self.second_root and self.method not in ("auto", *SECOND_ROOT_METHODS):
             raise ValueError(f"second_root applies to the methods auto, {', '.join(SECOND_ROOT_METHODS)}, "
                              f"not {self.method!r}")
+        if self.draft_cutoff and self.method not in ("auto", *SECOND_ROOT_METHODS):
+            raise ValueError(f"draft_cutoff applies to the methods auto, {', '.join(SECOND_ROOT_METHODS)}, "
+                             f"not {self.method!r}")
+        if self.draft_cutoff and self.second_root:
+            raise ValueError("draft_cutoff and second_root do not combine (the second chain is verified at the "
+                             "full width); set one of them")
         check_prefill_chunk(self.prefill_chunk, self.min_prompt_bucket)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
@@ -189,6 +198,8 @@ _FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
                                                                     "the lookup's drafts in one forward")),
     (("--second-root",), dict(action="store_const", const=True, help="eagle3 / peagle: also verify the head's "
                                                                       "second choice for the first draft")),
+    (("--draft-cutoff",), dict(type=float, help="eagle3 / peagle: verify only the leading drafts whose product of "
+                                                "head probabilities is >= this (0: all; default 0.1 on CPU)")),
     (("--dtype",), dict(choices=("float32", "bfloat16"))),
     (("--attention",), dict(choices=("xla", "cpu", "triton", "mosaic", "auto"),
                             help="cache-attention implementation (default: cpu where the matmuls run on the CPU "
