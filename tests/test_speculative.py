@@ -126,9 +126,6 @@ def test_k_left_out_is_the_backends_measured_default(target, drafter, reference)
 
     assert default_num_draft_tokens() == 2  # CPU (this suite runs on CPU): README, sessions 21-25
     assert default_draft_cutoff() == 0.1  # CPU: README, session 27
-    with_cutoff = nnx.clone(drafter)
-    with_cutoff.draft_cutoff = 0.1
-    assert default_num_draft_tokens(with_cutoff) == 3  # the cutoff makes K=3 the faster (session 27)
     out = speculative_generate(target, drafter, PROMPTS, max_new_tokens=24, eos_token_ids=[EOS])
     assert out.num_draft_tokens == 2 and out.accepted_per_position.shape == (2,)
     assert out.tokens == [t[:24] for t in reference.tokens]

@@ -38,8 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eagle3 / peagle: verify only the leading drafts whose product of head probabilities is "
                         ">= this, in [0, 1) (0: all K; default: 0.1 on CPU, 0 elsewhere)")
     p.add_argument("-k", "--num-draft-tokens", type=int, default=None,
-                   help="drafts per round (default: the fastest measured on this backend: 3, or 2 on CPU for a "
-                        "head without a draft cutoff)")
+                   help="drafts per round (default: the fastest measured on this backend, 2 on CPU, 3 elsewhere)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--temperature", type=float, default=0.0)

@@ -88,27 +88,24 @@ def default_draft_cutoff() -> float:
 
     On CPU a verify row costs about a tenth of a decode step and a width-0 round (a plain step
     plus the draft pass) 1.15, so drafts the head gives less than a 10% chance are cheaper left
-    unverified: with the shipped P-EAGLE head at K=3, 0.05-0.1 gave the best simulated and
-    measured speed on HumanEval and MT-Bench (README, session 27). On an accelerator, where a
+    unverified: with the shipped P-EAGLE head, 0.05-0.1 gave the best simulated and measured
+    speed on HumanEval and MT-Bench (README, session 27). On an accelerator, where a
     few more rows cost almost nothing, 0: verify every draft.
     """
     return 0.1 if jax.default_backend() == "cpu" else 0.0
 
 
-def default_num_draft_tokens(drafter=None) -> int:
+def default_num_draft_tokens() -> int:
     """K when the caller gives none: the fastest measured with the shipped heads.
 
     On CPU each verify row costs about a tenth of a decode step and the heads' third draft is
     accepted in a few percent of rounds: offline HumanEval (164 prompts, batch 1) ran P-EAGLE at
     1.14x plain decoding with K=2 and 1.09x with K=3, and a K=7 round costs 1.6 decode steps
-    for K=3's acceptance (README, sessions 21 and 24). A head with a confidence cutoff
-    (`drafter.draft_cutoff` > 0) verifies its third draft only where it is likely right, and
-    K=3 with the cutoff beat K=2 (session 27). On an accelerator, where a few more rows cost
-    almost nothing, K=3: the heads accept next to nothing past their third draft.
+    for K=3's acceptance (README, sessions 21 and 24). With the default draft cutoff (0.1) K=2
+    still won: 1.17x against 1.15x at K=3 (session 27). On an accelerator, where a few more
+    rows cost almost nothing, K=3: the heads accept next to nothing past their third draft.
     """
-    if jax.default_backend() != "cpu" or getattr(drafter, "draft_cutoff", 0.0) > 0:
-        return 3
-    return 2
+    return 2 if jax.default_backend() == "cpu" else 3
 
 
 def speculative_generate(
@@ -131,7 +128,7 @@ def speculative_generate(
     method: "peagle" (K drafts from one drafter forward), "eagle3" (K sequential drafter
       forwards), "ngram" (prompt lookup; `drafter` None means `NgramProposer()`) or "none"
       (plain decoding; `drafter` may be None).
-    num_draft_tokens: K (None: `default_num_draft_tokens(drafter)`, the fastest measured here).
+    num_draft_tokens: K (None: `default_num_draft_tokens()`, the fastest measured here).
       A head verifies fewer where its `draft_cutoff` says so (`drafters.drafting.confident_drafts`).
     Greedy output (temperature 0) is token-identical to plain greedy decoding of `target`;
     sampled output follows the target's processed distribution exactly.
@@ -149,7 +146,7 @@ def speculative_generate(
     b = len(prompts)
     t = prompt_bucket(max(len(p) for p in prompts), min_bucket)
     if num_draft_tokens is None:
-        num_draft_tokens = default_num_draft_tokens(drafter)
+        num_draft_tokens = default_num_draft_tokens()
     k = num_draft_tokens if method != "none" else 0
     config = SpecConfig(method, k, temperature == 0.0, cache_capacity(t, max_new_tokens, k), max_new_tokens)
     config.check_drafter(drafter)

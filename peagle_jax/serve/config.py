@@ -75,7 +75,7 @@ class ServeConfig(BaseModel):
     method: Literal["auto", "none", "eagle3", "peagle", "ngram", "eagle3+ngram", "peagle+ngram"] = "auto"
     num_draft_tokens: int | None = Field(
         None, ge=1, le=32, description="drafts per round (default: the fastest measured on this backend, "
-        "3, or 2 on CPU for a head without a draft cutoff; generate.default_num_draft_tokens)")
+        "2 on CPU, 3 elsewhere; generate.default_num_draft_tokens)")
     prompt_lookup_min: int = Field(2, ge=1, description="smallest n-gram method 'ngram' matches")
     prompt_lookup_max: int = Field(4, ge=1, description="largest n-gram method 'ngram' matches")
     head_draft_tokens: int | None = Field(

@@ -282,9 +282,9 @@ class Engine:
     ):
         """adaptive: choose each round between speculating and a plain decode step by measured
         tokens per second (`serve.adaptive`); head methods (eagle3, peagle) only, else ignored.
-        num_draft_tokens None: `generate.default_num_draft_tokens(drafter)`."""
+        num_draft_tokens None: `generate.default_num_draft_tokens()`."""
         if num_draft_tokens is None:
-            num_draft_tokens = default_num_draft_tokens(drafter)
+            num_draft_tokens = default_num_draft_tokens()
         k = num_draft_tokens if method != "none" else 0
         head = method in ("eagle3", "peagle")
         # Greedy is chosen per round (all rows greedy or not); the rest is fixed per engine. Head
