@@ -206,8 +206,8 @@ def load(
       the first draft, in the same target forward (greedy rounds; `drafters.drafting.second_choice`).
     draft_cutoff: in a head method, verify only the leading drafts whose product of the head's
       probabilities is >= this, in [0, 1) (`drafters.drafting.confident_drafts`; 0: all K). None:
-      `generate.default_draft_cutoff()` (0.1 on CPU, 0 elsewhere), or 0 with second_root, whose
-      second chain is verified at the full width.
+      `generate.default_draft_cutoff()` (0.1 on CPU, 0 elsewhere), or 0 where second_root is on,
+      whose second chain is verified at the full width.
 
     Raises FileNotFoundError / ValueError with a message naming the bad setting.
     """
@@ -283,7 +283,7 @@ def load(
             if draft_cutoff is None:
                 from peagle_jax.generate import default_draft_cutoff
 
-                draft_cutoff = 0.0 if second_root else default_draft_cutoff()
+                draft_cutoff = 0.0 if llm.drafter.second_root else default_draft_cutoff()
             llm.drafter.draft_cutoff = float(draft_cutoff)
             llm.options["draft_cutoff"] = llm.drafter.draft_cutoff
         if method in HYBRID_METHODS:

@@ -274,7 +274,8 @@ def test_load_gives_the_head_its_second_root_or_refuses_it():
     llm = load(None, second_root=True)  # auto: the shipped P-EAGLE head
     exact = tree.two_chains_exact_here(llm.options["attention"] or "xla")
     assert llm.method == "peagle" and llm.options["second_root"] == llm.drafter.second_root == exact
-    assert llm.drafter.draft_cutoff == llm.options["draft_cutoff"] == 0.0  # the second chain verifies all K
+    # the second chain is verified at full width: no cutoff beside it (the default where load turned it off)
+    assert llm.drafter.draft_cutoff == llm.options["draft_cutoff"] == (0.0 if exact else 0.1)
     for method in ("none", "ngram", "peagle+ngram"):
         with pytest.raises(ValueError, match="second_root needs a draft head and a head method"):
             load(None, method=method, second_root=True)
