@@ -193,8 +193,7 @@ def _add_cutoffs(args, drafters: dict[str, Any], labels: dict[str, str]) -> None
     for base in ("peagle", "eagle3"):
         if base not in drafters:
             continue
-        if base not in args.methods:  # loaded for a hybrid only, which drafts its own widths
-            drafters[base].draft_cutoff = 0.0
+        if base not in args.methods:  # loaded for a hybrid only (cutoff 0 as loaded): it drafts its own widths
             continue
         head, label = drafters.pop(base), labels.pop(base)
         for c in cutoffs:

@@ -81,7 +81,7 @@ class Eagle3Drafter(nnx.Module):
         #: Also propose the first draft's runner-up as a second chain in greedy rounds
         #: (`drafting.second_choice`); `peagle_jax.load(second_root=True)` sets it.
         self.second_root = False
-        #: Verify only the leading drafts whose product of head probabilities is >= this
+        #: Verify only the leading drafts whose product of top-1 head probabilities is >= this
         #: (`drafting.confident_drafts`; 0: all K); `peagle_jax.load(draft_cutoff=...)` sets it.
         self.draft_cutoff = 0.0
         dtype = jnp.dtype(cfg.dtype)
