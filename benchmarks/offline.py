@@ -87,6 +87,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="eagle3 / peagle: verify only the leading drafts whose product of head probabilities is "
                          ">= this (0: all K; default: the library's, generate.default_draft_cutoff). Several "
                          "values give rows X/cVALUE, one each")
+    ap.add_argument("--draft-weights", nargs="+", default=["auto"], choices=("auto", "native", "q7"),
+                    help="eagle3 / peagle: the heads' matmul weights (q7: 7-bit through the CPU kernel; auto: the "
+                         "library's choice, q7 where faster). Several values give rows X/wVALUE, one each")
     ap.add_argument("--head-draft-tokens", type=int, default=None,
                     help="X+ngram: drafts the head proposes where the lookup has no match (default: K)")
     ap.add_argument("--ks", nargs="+", type=int, default=[3, 5, 7], help="draft lengths K")
@@ -122,6 +125,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.draft_cutoff is not None and len(args.draft_cutoff) > 1 and args.second_root != "off":
         ap.error("several --draft-cutoff values and --second-root do not combine (a second chain is verified "
                  "at the full width K)")
+    if len(args.draft_weights) > 1 and ((args.draft_cutoff and len(args.draft_cutoff) > 1) or args.second_root != "off"
+                                        or any("+ngram" in m for m in args.methods)):
+        ap.error("several --draft-weights values give rows of the plain heads only: they do not combine with several "
+                 "--draft-cutoff values, --second-root or X+ngram methods")
     return args
 
 
@@ -162,10 +169,15 @@ def _drafters(args, llm) -> tuple[dict[str, Any], dict[str, str], dict[str, str]
         if method not in args.methods and f"{method}+ngram" not in args.methods:
             continue
         if path:
-            d = llm.load_head(path)
-            if method == "peagle" and not d.config.parallel_drafting:
-                raise SystemExit(f"--peagle-head {path} has no parallel drafting (mask_token_id/mask_hidden)")
-            drafters[method], labels[method] = d, f"trained head {path}"
+            for weights in args.draft_weights:
+                llm.options["draft_weights"] = weights  # load_head quantizes as load(draft_weights=...) would
+                d = llm.load_head(path)
+                if method == "peagle" and not d.config.parallel_drafting:
+                    raise SystemExit(f"--peagle-head {path} has no parallel drafting (mask_token_id/mask_hidden)")
+                row = method if len(args.draft_weights) == 1 else f"{method}{WEIGHTS}{weights}"
+                drafters[row] = d
+                q7 = llm.options["draft_weights"] == "q7"
+                labels[row] = f"trained head {path}" + (", 7-bit weights" if q7 else "")
         elif args.random_heads:
             drafters[method] = common.random_drafter(target, parallel=method == "peagle", seed=args.seed + 1)
             labels[method] = "RANDOM WEIGHTS (--random-heads)"
@@ -190,11 +202,8 @@ def _add_cutoffs(args, drafters: dict[str, Any], labels: dict[str, str]) -> None
     from peagle_jax.generate import default_draft_cutoff
 
     cutoffs = args.draft_cutoff or [default_draft_cutoff()]
-    for base in ("peagle", "eagle3"):
-        if base not in drafters:
-            continue
-        if base not in args.methods:  # loaded for a hybrid only (cutoff 0 as loaded): it drafts its own widths
-            continue
+    # Heads loaded for a hybrid only keep cutoff 0 as loaded: a hybrid drafts its own widths.
+    for base in [r for r in drafters if _method_of(r) in ("peagle", "eagle3") and _method_of(r) in args.methods]:
         head, label = drafters.pop(base), labels.pop(base)
         for c in cutoffs:
             row = base if len(cutoffs) == 1 else f"{base}{CUTOFF}{c:g}"
@@ -247,12 +256,14 @@ TWO_CHAINS = "/2c"
 SECOND_ROOT = "/2r"
 #: Row infix of a head with one of several confidence cutoffs (`--draft-cutoff A B`: X/cA, X/cB).
 CUTOFF = "/c"
+#: Row infix of a head with one of several matmul weights (`--draft-weights native q7`: X/wnative, X/wq7).
+WEIGHTS = "/w"
 
 
 def _method_of(row: str) -> str:
     """The `speculative_generate` method of a result row (X+ngram/2c runs X+ngram, X/2r runs X,
-    X/c0.1 runs X)."""
-    return row.removesuffix(TWO_CHAINS).removesuffix(SECOND_ROOT).split(CUTOFF)[0]
+    X/c0.1 and X/wq7 run X)."""
+    return row.removesuffix(TWO_CHAINS).removesuffix(SECOND_ROOT).split(CUTOFF)[0].split(WEIGHTS)[0]
 
 
 def _batches(n: int, b: int) -> list[list[int]]:

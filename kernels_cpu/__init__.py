@@ -1,6 +1,7 @@
 """Row-invariant CPU kernels as FFI custom calls: a bf16 matmul for few rows (AMX tiles where
 the CPU has them, else AVX512-BF16 pair dot products or FMAs in AVX-512F / AVX2, which all give
-the same bits) and a bf16 cache attention.
+the same bits), the same matmul on 7-bit weights stored in bytes (`pack_q7`, for draft heads:
+half the bytes to stream) and a bf16 cache attention.
 
 XLA:CPU's bf16 matmuls over 1-16 rows stream the weights at about half the machine's read
 bandwidth (`benchmarks/decode_roofline.py`), and a small model's decode step is 90% matmuls.
@@ -13,7 +14,7 @@ speculation needs.
 over its visible keys (`attention_bf16.cc`): a row's result depends on nothing else in the call,
 so a decode step, a verify and a tree verify's second chain give a row the same bits.
 
-The library is compiled from `gemv_bf16.cc` and `attention_bf16.cc` by `build()`
+The library is compiled from `gemv_bf16.cc`, `gemv_q7.cc` and `attention_bf16.cc` by `build()`
 (scripts/setup.sh runs it, and `available()` does when it is missing). Without a compiler, or on a CPU without AVX2/FMA,
 `available()` is False, `unavailable_reason()` says why, and callers keep XLA's matmul.
 """
@@ -31,10 +32,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, BFloat16, Float, Int
+from jaxtyping import Array, BFloat16, Float, Int, UInt8
 
 TILE = 32  # output columns per packed tile (4 x 8 float32 lanes)
-SOURCES = (Path(__file__).with_name("gemv_bf16.cc"), Path(__file__).with_name("attention_bf16.cc"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv_bf16.cc", "gemv_q7.cc", "attention_bf16.cc"))
 HEADERS = (Path(__file__).with_name("spans.h"), Path(__file__).with_name("bf16.h"))  # a change rebuilds too
 # One library per jaxlib: the FFI's API version is compiled in, and a library built against
 # another jaxlib's headers is refused at registration.
@@ -42,6 +43,9 @@ LIBRARY = Path(__file__).parent / "_build" / f"libpeagle_cpu-jaxlib{jax.lib.__ve
 TARGET_NAME = "peagle_gemv_bf16"
 TARGET_BF16_OUT = "peagle_gemv_bf16_to_bf16"  # the same sums, rounded to bf16 in the kernel
 ATTENTION_TARGET = "peagle_cache_attention_bf16"
+Q7_TARGET = "peagle_gemv_q7"  # weight-only 7-bit weights in bytes (`pack_q7`), float32 sums
+Q7_BF16_OUT = "peagle_gemv_q7_to_bf16"
+Q7_SCALE_ROWS = 2  # a packed 7-bit tile starts with its 32 float32 column scales: 2 rows of 64 bytes
 
 
 @functools.cache
@@ -106,7 +110,8 @@ def unavailable_reason() -> str | None:
         return str(e)
     try:
         for name, fn in ((TARGET_NAME, lib.peagle_gemv_bf16), (TARGET_BF16_OUT, lib.peagle_gemv_bf16_to_bf16),
-                         (ATTENTION_TARGET, lib.peagle_cache_attention_bf16)):
+                         (ATTENTION_TARGET, lib.peagle_cache_attention_bf16), (Q7_TARGET, lib.peagle_gemv_q7),
+                         (Q7_BF16_OUT, lib.peagle_gemv_q7_to_bf16)):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="cpu")
     except jax.errors.JaxRuntimeError as e:
         return f"jaxlib {jax.lib.__version__} refused {LIBRARY.name}: {e}"
@@ -131,11 +136,40 @@ def pack(w: BFloat16[Array, "I O"]) -> BFloat16[Array, "T J 64"]:
     return w.reshape(pairs, 2, o // TILE, TILE).transpose(2, 0, 3, 1).reshape(o // TILE, pairs, 2 * TILE)
 
 
-def matmul(x: BFloat16[Array, "*lead I"], packed: BFloat16[Array, "T J 64"],
+def pack_q7(w: Float[Array, "I O"]) -> UInt8[Array, "T S 64"]:
+    """[I, O] -> [O/32, 2 + J, 64] uint8, J = ceil(I/2): weight-only 7-bit quantization per output
+    column (symmetric, scale = max |w[:, c]| / 63), each weight w7 stored as the byte w7 + 64.
+    Per 32-column tile, the tile's float32 scales (their bytes, 2 rows), then per input pair j
+    each column's two bytes side by side (`pack`'s pair layout; gemv_q7.cc says why 7 bits).
+    Half the bytes of `pack`, for matmuls whose rounding may move: a draft head's (its drafts
+    are verified)."""
+    i, o = w.shape
+    if o % TILE:
+        raise ValueError(f"kernels_cpu.pack_q7: the output width {o} is not a multiple of {TILE}")
+    w = jnp.asarray(w, jnp.float32)
+    scale = jnp.maximum(jnp.max(jnp.abs(w), axis=0), 1e-30) / 63.0
+    q = (jnp.clip(jnp.round(w / scale), -63, 63) + 64).astype(jnp.uint8)
+    pairs = (i + 1) // 2
+    q = jnp.concatenate([q, jnp.full((2 * pairs - i, o), 64, jnp.uint8)])  # a pad row weighs 0
+    q = q.reshape(pairs, 2, o // TILE, TILE).transpose(2, 0, 3, 1).reshape(o // TILE, pairs, 2 * TILE)
+    scale_bytes = jax.lax.bitcast_convert_type(scale, jnp.uint8).reshape(o // TILE, Q7_SCALE_ROWS, 2 * TILE)
+    return jnp.concatenate([scale_bytes, q], axis=1)
+
+
+def unpack_q7(packed: UInt8[Array, "T S 64"], in_features: int) -> Float[Array, "I O"]:
+    """The float32 weights [in_features, O] that `pack_q7` stands for (scale times w7)."""
+    t = packed.shape[0]
+    scale = jax.lax.bitcast_convert_type(packed[:, :Q7_SCALE_ROWS].reshape(t, TILE, 4), jnp.float32)
+    q = packed[:, Q7_SCALE_ROWS:].reshape(t, -1, TILE, 2).astype(jnp.float32) - 64.0  # [T, J, 32, 2]
+    w = (q * scale[:, None, :, None]).transpose(1, 3, 0, 2).reshape(-1, t * TILE)
+    return w[:in_features]
+
+
+def matmul(x: BFloat16[Array, "*lead I"], packed: BFloat16[Array, "T J 64"] | UInt8[Array, "T S 64"],
            out_dtype=jnp.float32) -> Float[Array, "*lead O"]:
-    """x @ w summed in float32, w given as `pack(w)`; any number of leading rows. With
-    out_dtype bfloat16 the kernel rounds the sums itself (to nearest even, the bits XLA's
-    convert gives), which spares the graph a convert after every call."""
+    """x @ w summed in float32, w given as `pack(w)` or `pack_q7(w)`; any number of leading
+    rows. With out_dtype bfloat16 the kernel rounds the sums itself (to nearest even, the bits
+    XLA's convert gives), which spares the graph a convert after every call."""
     lead, i = x.shape[:-1], x.shape[-1]
     rows = 1
     for d in lead:
@@ -144,7 +178,11 @@ def matmul(x: BFloat16[Array, "*lead I"], packed: BFloat16[Array, "T J 64"],
     if not bf16_out and jnp.dtype(out_dtype) != jnp.float32:
         raise ValueError(f"kernels_cpu.matmul: out_dtype must be float32 or bfloat16, got {out_dtype}")
     shape = jax.ShapeDtypeStruct((rows, packed.shape[0] * TILE), jnp.bfloat16 if bf16_out else jnp.float32)
-    out = jax.ffi.ffi_call(TARGET_BF16_OUT if bf16_out else TARGET_NAME, shape)(
+    if packed.dtype == jnp.uint8:
+        target = Q7_BF16_OUT if bf16_out else Q7_TARGET
+    else:
+        target = TARGET_BF16_OUT if bf16_out else TARGET_NAME
+    out = jax.ffi.ffi_call(target, shape)(
         x.reshape(rows, i).astype(jnp.bfloat16), packed)
     return out.reshape(*lead, packed.shape[0] * TILE)
 

@@ -110,14 +110,18 @@ class LoadedModel:
         """Another draft head for this target, with the same dtype, kernel options and mesh
         (benchmarks comparing heads load the target once)."""
         from peagle_jax.checkpoints.drafter_io import load_drafter
-        from peagle_jax.models.options import choose_matmul, configure_inference
+        from peagle_jax.models.options import choose_matmul, configure_inference, draft_weights_for
         from peagle_jax.sharding import shard_module
 
         head = load_drafter(spec, target=self.target, dtype=self.options.get("dtype", "bfloat16"))
         configure_inference(head, attention=self.options.get("attention"),
                             kv_cache_dtype=self.options.get("kv_cache_dtype"))
+        requested = self.options.get("draft_weights", "auto")
+        weights = draft_weights_for(requested, self.options.get("matmul", "xla"))
         if self.options.get("matmul") == "cpu_kernel":
-            choose_matmul(head, "auto")
+            if choose_matmul(head, "auto", "q7" if weights == "q7" else "bf16") != "cpu_kernel":
+                weights = draft_weights_for(requested, "xla")  # the kernel cannot serve this head
+        self.options["draft_weights"] = weights
         return shard_module(head, self.mesh)
 
     def place_on(self, mesh) -> LoadedModel:
@@ -180,6 +184,7 @@ def load(
     two_chains: bool = False,
     second_root: bool = False,
     draft_cutoff: float | None = None,
+    draft_weights: str = "auto",
 ) -> LoadedModel:
     """Load and configure a target model and its draft head.
 
@@ -208,13 +213,24 @@ def load(
       probabilities is >= this, in [0, 1) (`drafters.drafting.confident_drafts`; 0: all K). None:
       `generate.default_draft_cutoff()` (0.1 on CPU, 0 elsewhere), or 0 where second_root is on,
       whose second chain is verified at the full width.
+    draft_weights: "auto" | "native" | "q7" (`models.options.DRAFT_WEIGHTS`): the head's matmul
+      weights. "q7" streams 7-bit weights, one byte each, through the CPU kernel: half the bytes
+      of bf16 in a memory-bound draft pass. Drafts are verified, so greedy output stays exactly
+      plain decoding's. "auto": "q7" on CPUs where it is faster (AVX512-BF16), else "native".
+      `options["draft_weights"]` says which ran.
 
     Raises FileNotFoundError / ValueError with a message naming the bad setting.
     """
     from peagle_jax.checkpoints import load_target
     from peagle_jax.checkpoints.default_model import DEFAULT_MODEL_NAME, resolve_model_path
     from peagle_jax.checkpoints.tokenizer import eos_token_ids, load_tokenizer
-    from peagle_jax.models.options import MATMULS, choose_matmul, configure_inference, quantize_weights_fp8
+    from peagle_jax.models.options import (
+        DRAFT_WEIGHTS,
+        MATMULS,
+        choose_matmul,
+        configure_inference,
+        quantize_weights_fp8,
+    )
     from peagle_jax.sharding import make_mesh, maybe_initialize_distributed
 
     if dtype not in ("float32", "bfloat16"):
@@ -224,6 +240,14 @@ def load(
     if matmul == "cpu_kernel" and mesh is not None:
         raise ValueError("matmul='cpu_kernel' serves one unsharded CPU device; drop mesh or use matmul='auto'")
     head_spec = resolve_drafter(model, drafter, method)
+    if draft_weights not in DRAFT_WEIGHTS:
+        raise ValueError(f"draft_weights must be one of {DRAFT_WEIGHTS}, got {draft_weights!r}")
+    if draft_weights == "q7" and head_spec is None:
+        raise ValueError(f"draft_weights='q7' quantizes a draft head, and method {method!r} loads none")
+    if draft_weights == "q7" and (dtype != "bfloat16" or matmul == "xla" or mesh is not None):
+        raise ValueError("draft_weights='q7' runs on the CPU matmul kernel: it needs dtype bfloat16, one device "
+                         f"(no mesh) and matmul 'auto' or 'cpu_kernel'; got dtype {dtype!r}, matmul {matmul!r}, "
+                         f"mesh {mesh!r}")
     if "ngram" in method and not 1 <= prompt_lookup_min <= prompt_lookup_max:
         raise ValueError("prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                          f"{prompt_lookup_min} and {prompt_lookup_max}")
@@ -267,7 +291,7 @@ def load(
     llm = LoadedModel(target=target, tokenizer=tokenizer, eos_ids=eos_token_ids(tokenizer, model_path),
                       drafter=None, method="none", model_path=model_path, model_name=name, drafter_path=head_spec,
                       options=dict(dtype=dtype, attention=attention, kv_cache_dtype=kv_cache_dtype,
-                                   matmul=matmul_path))
+                                   matmul=matmul_path, draft_weights=draft_weights))
     llm.place_on(device_mesh)
     if method == "ngram":
         from peagle_jax.drafters.ngram import NgramProposer

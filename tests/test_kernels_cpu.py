@@ -236,3 +236,102 @@ def test_load_rejects_bad_matmul_settings():
         load(method="none", matmul="fast")
     with pytest.raises(ValueError, match="drop mesh"):
         load(method="none", matmul="cpu_kernel", mesh="model=1")
+
+
+# ---- 7-bit weights (kernels_cpu.pack_q7), for draft heads --------------------------------------
+
+_Q7_SCRIPT = """
+import sys, numpy as np, jax.numpy as jnp, kernels_cpu
+assert kernels_cpu.available(), kernels_cpu.unavailable_reason()
+rng = np.random.default_rng(0)
+x = jnp.asarray(rng.standard_normal((20, 577)), jnp.bfloat16)
+w = jnp.asarray(rng.standard_normal((577, 96)) * 0.05, jnp.bfloat16)
+packed = kernels_cpu.pack_q7(w)
+ref = np.asarray(x, np.float64) @ np.asarray(kernels_cpu.unpack_q7(packed, 577), np.float64)
+full = np.asarray(kernels_cpu.matmul(x, packed))
+err = float(np.abs(full - ref).max() / np.abs(ref).max())
+invariant = all(np.array_equal(np.asarray(kernels_cpu.matmul(x[:m], packed)), full[:m]) for m in (1, 2, 3, 14, 15))
+print(err, invariant)
+"""
+
+
+@needs_kernel
+@pytest.mark.parametrize("extra_env", [{}, {"PEAGLE_CPU_KERNEL_NO_DPBF16": "1"}], ids=["default", "fma"])
+def test_q7_matmul_is_the_dequantized_product_and_row_invariant(extra_env):
+    """x @ pack_q7(w) equals x times the weights `unpack_q7` gives back, to float32 accuracy (the
+    dot-product loop's bias of 192 * sum(x) and the FMA loop's 64 * sum(x) cancel), for an odd
+    input width, in both loops (the library picks one per process, so each runs in a fresh one);
+    and a row's result does not depend on the rows beside it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PEAGLE_CPU_KERNEL_")} | extra_env
+    done = subprocess.run([sys.executable, "-c", _Q7_SCRIPT], check=True, env=env, timeout=300,
+                          capture_output=True, text=True)
+    err, invariant = done.stdout.split()[-2:]
+    assert float(err) < 1e-5, f"q7 matmul relative error {err}"
+    assert invariant == "True", "a row's q7 result depends on the number of rows in the call"
+
+
+@needs_kernel
+def test_q7_packing_round_trips_to_seven_bit_weights():
+    """pack_q7 keeps each column to 7 bits of its own scale (error <= half a step, max |w| / 126),
+    and the kernel's bf16 result is its float32 result rounded; a width that is not a multiple of
+    32 is refused."""
+    rng = np.random.default_rng(3)
+    w = _bf16(rng, (64, 64), 0.1) * jnp.asarray(np.linspace(0.01, 3.0, 64), jnp.bfloat16)  # scales per column
+    packed = kernels_cpu.pack_q7(w)
+    assert packed.dtype == jnp.uint8 and packed.shape == (2, kernels_cpu.Q7_SCALE_ROWS + 32, 64)
+    back, exact = np.asarray(kernels_cpu.unpack_q7(packed, 64)), np.asarray(w, np.float32)
+    step = np.abs(exact).max(axis=0) / 63
+    assert np.all(np.abs(back - exact) <= step / 2 * (1 + 1e-4))
+    x = _bf16(rng, (3, 64))
+    f32 = kernels_cpu.matmul(x, packed)
+    assert np.array_equal(np.asarray(kernels_cpu.matmul(x, packed, out_dtype=jnp.bfloat16)),
+                          np.asarray(f32.astype(jnp.bfloat16)))
+    with pytest.raises(ValueError, match="not a multiple of 32"):
+        kernels_cpu.pack_q7(w[:, :40])
+
+
+@needs_kernel
+def test_q7_head_keeps_greedy_tokens_and_drafts_like_bf16():
+    """A head with 7-bit weights: every packed weight is bytes, greedy speculative tokens are
+    still plain decoding's (drafts are verified), and its draft logits stay within the
+    quantization's reach of the bf16 head's."""
+    from peagle_jax.models.options import draft_weights_for
+
+    target, drafter = _pair()
+    assert choose_matmul(target, "auto") == "cpu_kernel"
+    q7 = pack_cpu_matmuls(nnx.clone(drafter), "q7")
+    pack_cpu_matmuls(drafter)
+    packs = [v[...] for _, v in nnx.iter_graph(q7) if isinstance(v, PackedKernel)]
+    assert packs and all(p.dtype == jnp.uint8 for p in packs)
+    prenorm = _bf16(np.random.default_rng(4), (2, drafter.config.hidden_size))
+    want, got = drafter.logits_from_prenorm(prenorm), q7.logits_from_prenorm(prenorm)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=0.05 * float(jnp.abs(want).max()))
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    plain = speculative_generate(target, None, prompts, method="none", max_new_tokens=12)
+    for method in ("peagle", "eagle3"):
+        for k in (1, 3):
+            spec = speculative_generate(target, q7, prompts, method=method, num_draft_tokens=k, max_new_tokens=12)
+            assert spec.tokens == plain.tokens, (method, k)
+    with pytest.raises(ValueError, match="unknown packed weights"):
+        pack_cpu_matmuls(nnx.clone(drafter), "int4")
+    assert draft_weights_for("native", "cpu_kernel") == "native"
+    assert draft_weights_for("auto", "xla") == "native"
+    with pytest.raises(ValueError, match="runs on the CPU matmul kernel"):
+        draft_weights_for("q7", "xla")
+    with pytest.raises(ValueError, match="draft_weights must be one of"):
+        draft_weights_for("int8", "cpu_kernel")
+
+
+def test_load_rejects_bad_draft_weights():
+    from peagle_jax.api import load
+
+    with pytest.raises(ValueError, match="draft_weights must be one of"):
+        load(draft_weights="int8")
+    with pytest.raises(ValueError, match="quantizes a draft head"):
+        load(method="ngram", draft_weights="q7")
+    with pytest.raises(ValueError, match="needs dtype bfloat16"):
+        load(dtype="float32", draft_weights="q7")

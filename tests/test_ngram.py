@@ -281,6 +281,33 @@ def test_load_gives_the_head_its_second_root_or_refuses_it():
             load(None, method=method, second_root=True)
 
 
+def _assert_head_weights(llm, requested):
+    """The head's packed weights are what `options["draft_weights"]` says: bytes for "q7"."""
+    from flax import nnx
+
+    from peagle_jax.models.layers import PackedKernel
+    from peagle_jax.models.options import q7_blocker
+
+    want = {"auto": "q7" if q7_blocker() is None else "native"}.get(requested, requested)
+    assert llm.options["draft_weights"] == want
+    dtypes = {v[...].dtype.name for _, v in nnx.iter_graph(llm.drafter) if isinstance(v, PackedKernel)}
+    assert dtypes == ({"uint8"} if want == "q7" else {"bfloat16"}), dtypes
+
+
+def test_load_gives_the_head_the_weights_asked_for():
+    """draft_weights: "auto" takes 7-bit weights where they are faster, "native" keeps bf16, "q7"
+    forces them; the target's packed weights stay bf16 either way."""
+    from flax import nnx
+
+    from peagle_jax.api import load
+    from peagle_jax.models.layers import PackedKernel
+
+    for requested in ("native", "q7"):
+        llm = load(None, draft_weights=requested)
+        _assert_head_weights(llm, requested)
+        assert {v[...].dtype.name for _, v in nnx.iter_graph(llm.target) if isinstance(v, PackedKernel)} == {"bfloat16"}
+
+
 def test_load_gives_the_head_its_draft_cutoff_or_refuses_it():
     """The head gets the backend's default cutoff (0.1 on CPU) or the one asked for; a cutoff
     outside [0, 1), without a head method, or beside second_root is refused before loading."""
@@ -288,6 +315,7 @@ def test_load_gives_the_head_its_draft_cutoff_or_refuses_it():
 
     llm = load(None)
     assert llm.method == "peagle" and llm.drafter.draft_cutoff == llm.options["draft_cutoff"] == 0.1
+    _assert_head_weights(llm, "auto")
     assert load(None, draft_cutoff=0.0).drafter.draft_cutoff == 0.0
     with pytest.raises(ValueError, match=r"draft_cutoff must lie in \[0, 1\)"):
         load(None, draft_cutoff=1.0)

@@ -96,6 +96,12 @@ def test_config_yaml_and_flags(tmp_path):
         config_from_args(build_parser().parse_args(["--draft-cutoff", "0.2", "--second-root"]))
     with pytest.raises(ValidationError, match="draft_cutoff"):
         ServeConfig(draft_cutoff=1.0)
+    assert config_from_args(build_parser().parse_args(["--draft-weights", "q7"])).draft_weights == "q7"
+    assert ServeConfig().draft_weights == "auto"
+    with pytest.raises(ValidationError, match="quantizes a draft head"):
+        config_from_args(build_parser().parse_args(["--draft-weights", "q7", "--method", "ngram"]))
+    with pytest.raises(ValidationError):
+        ServeConfig(draft_weights="int4")
 
 
 def test_shipped_configs_validate():

@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-cutoff", type=float, default=None,
                    help="eagle3 / peagle: verify only the leading drafts whose product of head probabilities is "
                         ">= this, in [0, 1) (0: all K; default: 0.1 on CPU, 0 elsewhere)")
+    p.add_argument("--draft-weights", choices=("auto", "native", "q7"), default="auto",
+                   help="the head's matmul weights: q7 streams 7-bit weights through the CPU kernel, half the "
+                        "bytes of bf16 (drafts are verified, output unchanged); auto: q7 where faster (AVX512-BF16)")
     p.add_argument("-k", "--num-draft-tokens", type=int, default=None,
                    help="drafts per round (default: the fastest measured on this backend, 2 on CPU, 3 elsewhere)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -77,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
                    mesh=args.mesh, attention=args.attention, kv_cache_dtype=args.kv_cache_dtype,
                    fp8_weights=args.fp8_weights, matmul=args.matmul, prompt_lookup_min=args.prompt_lookup_min,
                    prompt_lookup_max=args.prompt_lookup_max, head_draft_tokens=args.head_draft_tokens,
-                   two_chains=args.two_chains, second_root=args.second_root, draft_cutoff=args.draft_cutoff)
+                   two_chains=args.two_chains, second_root=args.second_root, draft_cutoff=args.draft_cutoff,
+                   draft_weights=args.draft_weights)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

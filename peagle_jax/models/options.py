@@ -96,23 +96,34 @@ def cpu_kernel_blocker(module: nnx.Module) -> str | None:
     return kernels_cpu.unavailable_reason()
 
 
-def pack_cpu_matmuls(module: nnx.Module) -> nnx.Module:
+PACKED_WEIGHTS = ("bf16", "q7")
+
+
+def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16") -> nnx.Module:
     """Route the decode-sized matmuls of a bf16 model or drafter (every Linear and the lm_head)
     through `kernels_cpu.matmul`, the row-invariant CPU custom call, by giving each a packed
-    copy of its weight (in place; one more copy of the weights in memory). Inference only:
-    the custom call has no gradient. Raises ValueError naming the reason where it cannot run
-    (`cpu_kernel_blocker`)."""
+    copy of its weight (in place; the bf16 weights stay for longer calls such as prefill).
+    Inference only: the custom call has no gradient. Raises ValueError naming the reason where
+    it cannot run (`cpu_kernel_blocker`).
+
+    weights: "bf16" (`kernels_cpu.pack`: the model's own numbers) or "q7" (`kernels_cpu.pack_q7`:
+    7-bit per-column weights in one byte each, half the bytes to stream). "q7" changes the
+    results, so only a draft head takes it: its drafts are verified by the target, never emitted
+    unchecked (`q7_blocker` says where it is slower)."""
     import kernels_cpu
 
+    if weights not in PACKED_WEIGHTS:
+        raise ValueError(f"unknown packed weights {weights!r}; known: {PACKED_WEIGHTS}")
     reason = cpu_kernel_blocker(module)
     if reason is not None:
         raise ValueError(f"the CPU matmul kernel cannot serve this model: {reason}")
+    pack = kernels_cpu.pack_q7 if weights == "q7" else kernels_cpu.pack
 
     def packable(*linears: Linear) -> bool:
         return all(lin.kernel.shape[1] % kernels_cpu.TILE == 0 for lin in linears)
 
     def packed(*linears: Linear) -> PackedKernel:  # side by side along the output tiles
-        return PackedKernel(jnp.concatenate([kernels_cpu.pack(lin.kernel[...]) for lin in linears], axis=0))
+        return PackedKernel(jnp.concatenate([pack(lin.kernel[...]) for lin in linears], axis=0))
 
     grouped: set[int] = set()  # Linears served by a fused call (no packed copy of their own)
     for _, node in nnx.iter_graph(module):
@@ -126,14 +137,31 @@ def pack_cpu_matmuls(module: nnx.Module) -> nnx.Module:
     if hasattr(module, "lm_head_packed"):
         head = module.lm_head_weight()
         if head.shape[1] % kernels_cpu.TILE == 0:
-            module.lm_head_packed = PackedKernel(kernels_cpu.pack(head))
+            module.lm_head_packed = PackedKernel(pack(head))
     return module
 
 
-def choose_matmul(module: nnx.Module, matmul: str) -> str:
+def q7_blocker() -> str | None:
+    """Why 7-bit packed weights would not be faster here (None: they are). Their loop turns
+    bytes into bf16 dot-product operands (AVX512-BF16); elsewhere it widens them to float32
+    and runs out of arithmetic before memory at 3 rows (slower than bf16, README session 28)."""
+    import kernels_cpu
+
+    if (why := kernels_cpu.unavailable_reason()) is not None:
+        return why
+    if kernels_cpu.instruction_set() not in ("avx512bf16", "amx"):
+        return f"this CPU runs the {kernels_cpu.instruction_set()} loops, without AVX512-BF16 dot products"
+    return None
+
+
+DRAFT_WEIGHTS = ("auto", "native", "q7")
+
+
+def choose_matmul(module: nnx.Module, matmul: str, weights: str = "bf16") -> str:
     """Apply a `load(matmul=...)` choice: "auto" packs for the CPU kernel where it can run (and
     says why not in the log where it cannot), "cpu_kernel" requires it, "xla" never uses it.
-    Returns the path taken: "cpu_kernel" or "xla"."""
+    `weights` is `pack_cpu_matmuls`'s ("q7" for draft heads only). Returns the path taken:
+    "cpu_kernel" or "xla"."""
     import logging
 
     if matmul not in MATMULS:
@@ -142,9 +170,27 @@ def choose_matmul(module: nnx.Module, matmul: str) -> str:
         return "xla"
     reason = cpu_kernel_blocker(module)
     if reason is None:
-        pack_cpu_matmuls(module)
+        pack_cpu_matmuls(module, weights)
         return "cpu_kernel"
     if matmul == "cpu_kernel":
         raise ValueError(f"matmul='cpu_kernel' cannot serve this model: {reason}")
     logging.getLogger(__name__).info("matmuls on XLA: %s", reason)
     return "xla"
+
+
+def draft_weights_for(requested: str, matmul_path: str) -> str:
+    """A `load(draft_weights=...)` choice resolved for a head whose matmuls take `matmul_path`:
+    "q7" (7-bit weights, `pack_cpu_matmuls`) or "native" (the head's weights in the load dtype).
+    "auto" takes "q7" where the CPU kernel serves the head and 7-bit weights are faster here
+    (`q7_blocker`); an explicit "q7" needs only the kernel. Raises ValueError naming the reason."""
+    if requested not in DRAFT_WEIGHTS:
+        raise ValueError(f"draft_weights must be one of {DRAFT_WEIGHTS}, got {requested!r}")
+    if requested == "native":
+        return "native"
+    if matmul_path != "cpu_kernel":
+        if requested == "q7":
+            raise ValueError(f"draft_weights='q7' runs on the CPU matmul kernel, and this model's matmuls run on "
+                             f"{matmul_path} (q7 needs dtype bfloat16, one CPU device and matmul 'auto' or "
+                             "'cpu_kernel')")
+        return "native"
+    return "q7" if requested == "q7" or q7_blocker() is None else "native"

@@ -42,7 +42,8 @@ def load_models(config: ServeConfig) -> LoadedModel:
                matmul=config.matmul, served_model_name=config.served_model_name,
                prompt_lookup_min=config.prompt_lookup_min, prompt_lookup_max=config.prompt_lookup_max,
                head_draft_tokens=config.head_draft_tokens,
-               two_chains=config.two_chains, second_root=config.second_root, draft_cutoff=config.draft_cutoff)
+               two_chains=config.two_chains, second_root=config.second_root, draft_cutoff=config.draft_cutoff,
+               draft_weights=config.draft_weights)
     if llm.drafter is None and config.drafter is None and config.method == "auto" and is_default_model(config.model):
         log.warning("no trained P-EAGLE head at %s: serving %s WITHOUT speculative decoding (method none). "
                     "Pass --drafter DIR to use a draft head.", DEFAULT_DRAFTER, llm.model_name)

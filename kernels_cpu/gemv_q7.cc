@@ -1,0 +1,234 @@
+// A weight-only 7-bit GEMV/GEMM for few rows on x86 CPUs, as an XLA FFI custom call (kernels_cpu;
+// peagle_jax sends a draft head's decode-sized matmuls here on CPU, models.options).
+//
+// A decode-sized matmul reads every weight once and does little arithmetic per byte, so its time
+// is mostly the weights' bytes over the memory bandwidth. One byte per weight halves those bytes
+// against bf16. A draft head's numerics never change which tokens speculative decoding emits
+// (the target's verify decides), so its weights can be quantized where the target's must stay
+// exact.
+//
+// Why 7 bits in a byte: a weight is stored as m = w7 + 64, w7 in [-63, 63] (per-column scale
+// max |w| / 63). With AVX512-BF16, OR-ing 0x4300 onto a zero-extended m makes the bf16 number
+// 128 + m exactly (exponent 2^7, m the 7 mantissa bits), so the bytes become VDPBF16PS operands
+// in two instructions per 32 weights, with no conversion to float: a widening FMA loop (AVX2,
+// kept for CPUs without AVX512-BF16) runs out of arithmetic before memory at 3 rows. The sums
+// then carry 192 * sum(x) (or 64 * sum(x) in the FMA loop), subtracted before the scale:
+//   y[m, o] = scale[o] * (sum_i x[m, i] * (c + w7[i, o]) - c * sum_i x[m, i]).
+// Every row takes the same steps whatever the number of rows in the call, so a head's drafts
+// do not depend on the batch beside them.
+//
+// Packed [O/32, 2 + J, 64] uint8, J = ceil(I/2): per 32-column tile, first the tile's 32 float32
+// column scales (128 bytes, as 2 rows of 64), then per input pair j each column's two bytes
+// m[2j, c], m[2j + 1, c] side by side (the bf16 kernel's pair layout, gemv_bf16.cc).
+#include <immintrin.h>
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+#include "bf16.h"
+#include "spans.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+namespace {
+
+constexpr int64_t kTile = 32;       // output columns per tile
+constexpr int64_t kPair = 2 * kTile;  // bytes per (tile, input pair)
+constexpr int64_t kScaleRows = 2;   // 32 float32 scales = 2 rows of 64 bytes
+constexpr int64_t kAhead = 2048;    // bytes prefetched ahead of the weights in use (32 pairs)
+constexpr float kBiasDp = 192.0f;   // the dot-product loop's weights are 128 + m = 192 + w7
+constexpr float kBiasFma = 64.0f;   // the FMA loop's weights are m = 64 + w7
+
+// ---- AVX512-BF16: the bytes as bf16 pair operands ------------------------------------------------
+#define PEAGLE_DPBF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
+constexpr int kBlockDp = 14;  // rows per pass: 28 accumulators + 2 weight vectors + 1 broadcast
+
+template <int R>
+PEAGLE_DPBF16 void rows_dp(const uint32_t* xp, int64_t J, const uint8_t* q, float* acc) {
+  __m512 lo[R], hi[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  const __m512i exponent = _mm512_set1_epi16(0x4300);
+  for (int64_t j = 0; j < J; ++j) {
+    const uint8_t* qj = q + j * kPair;
+    _mm_prefetch(reinterpret_cast<const char*>(qj) + kAhead, _MM_HINT_T0);
+    const __m512bh w0 = (__m512bh)_mm512_or_si512(
+        _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qj))), exponent);
+    const __m512bh w1 = (__m512bh)_mm512_or_si512(
+        _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qj + 32))), exponent);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512bh s = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[r * J + j]));
+      lo[r] = _mm512_dpbf16_ps(lo[r], s, w0);
+      hi[r] = _mm512_dpbf16_ps(hi[r], s, w1);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) { _mm512_storeu_ps(acc + r * kTile, lo[r]); _mm512_storeu_ps(acc + r * kTile + 16, hi[r]); }
+}
+
+PEAGLE_DPBF16 void rows_dp(int64_t R, const uint32_t* xp, int64_t J, const uint8_t* q, float* acc) {
+  switch (R) {
+    case 1: return rows_dp<1>(xp, J, q, acc);
+    case 2: return rows_dp<2>(xp, J, q, acc);
+    case 3: return rows_dp<3>(xp, J, q, acc);
+    case 4: return rows_dp<4>(xp, J, q, acc);
+    case 5: return rows_dp<5>(xp, J, q, acc);
+    case 6: return rows_dp<6>(xp, J, q, acc);
+    case 7: return rows_dp<7>(xp, J, q, acc);
+    case 8: return rows_dp<8>(xp, J, q, acc);
+    case 9: return rows_dp<9>(xp, J, q, acc);
+    case 10: return rows_dp<10>(xp, J, q, acc);
+    case 11: return rows_dp<11>(xp, J, q, acc);
+    case 12: return rows_dp<12>(xp, J, q, acc);
+    case 13: return rows_dp<13>(xp, J, q, acc);
+    default: return rows_dp<14>(xp, J, q, acc);
+  }
+}
+
+// ---- AVX2 + FMA: the bytes widened to float32 ------------------------------------------------------
+constexpr int kBlockFma = 2;  // rows per pass: 8 accumulators + 8 weight vectors + 2 broadcasts
+
+// 8 columns' pairs (16 bytes) -> their even-input and odd-input weights m as float32.
+static inline void split8(const uint8_t* p, __m256& even, __m256& odd) {
+  const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  even = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)));
+  odd = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 16));
+}
+
+template <int R>
+void rows_fma(const float* x, int64_t J, const uint8_t* q, float* acc) {
+  __m256 a[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < 4; ++g) a[r][g] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < J; ++j) {
+    const uint8_t* qj = q + j * kPair;
+    _mm_prefetch(reinterpret_cast<const char*>(qj) + kAhead, _MM_HINT_T0);
+    __m256 e[4], o[4];
+    for (int g = 0; g < 4; ++g) split8(qj + 16 * g, e[g], o[g]);
+    for (int r = 0; r < R; ++r) {
+      const __m256 s0 = _mm256_broadcast_ss(x + r * 2 * J + 2 * j), s1 = _mm256_broadcast_ss(x + r * 2 * J + 2 * j + 1);
+      for (int g = 0; g < 4; ++g) a[r][g] = _mm256_fmadd_ps(s0, e[g], _mm256_fmadd_ps(s1, o[g], a[r][g]));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < 4; ++g) _mm256_storeu_ps(acc + r * kTile + 8 * g, a[r][g]);
+}
+
+void rows_fma(int64_t R, const float* x, int64_t J, const uint8_t* q, float* acc) {
+  if (R == 1) return rows_fma<1>(x, J, q, acc);
+  return rows_fma<2>(x, J, q, acc);
+}
+
+bool dot_products() {
+  static const bool dp = std::getenv("PEAGLE_CPU_KERNEL_NO_DPBF16") == nullptr &&
+                         std::getenv("PEAGLE_CPU_KERNEL_AVX2") == nullptr && __builtin_cpu_supports("avx512bf16") &&
+                         __builtin_cpu_supports("avx512bw");
+  return dp;
+}
+
+// One call's work: spans of output tiles (spans.h).
+struct Job {
+  int64_t M, J, O, tiles;
+  peagle::Spans spans;
+  bool dp;
+  std::vector<uint32_t> xp;  // the dot-product loop: the rows as bf16 pairs
+  std::vector<float> x;      // the FMA loop: the rows widened to float32
+  std::vector<float> bias;   // per row: the loop's constant times sum(x)
+  const uint8_t* Q;
+  float* y;                  // float32 result, or `sums` when the result is bf16
+  std::unique_ptr<float[]> sums;
+  uint16_t* yb = nullptr;
+
+  void Tiles(int64_t t0, int64_t t1) {
+    const int64_t block = dp ? kBlockDp : kBlockFma;
+    alignas(64) float acc[kBlockDp * kTile];
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* tile = Q + t * (kScaleRows + J) * kPair;
+      float scale[kTile];
+      std::memcpy(scale, tile, sizeof(scale));
+      const uint8_t* q = tile + kScaleRows * kPair;
+      // Rows in blocks; each block streams the tile (18 KiB at I = 576: after the first block
+      // it is in L1/L2).
+      for (int64_t r0 = 0; r0 < M; r0 += block) {
+        const int64_t rows = std::min(M - r0, block);
+        if (dp) rows_dp(rows, xp.data() + r0 * J, J, q, acc);
+        else rows_fma(rows, x.data() + r0 * 2 * J, J, q, acc);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* yr = y + (r0 + r) * O + t * kTile;
+          for (int64_t c = 0; c < kTile; ++c) yr[c] = scale[c] * (acc[r * kTile + c] - bias[r0 + r]);
+        }
+      }
+    }
+    if (yb != nullptr)
+      for (int64_t m = 0; m < M; ++m) peagle::to_bf16(y + m * O + t0 * kTile, yb + m * O + t0 * kTile, (t1 - t0) * kTile);
+  }
+
+  void Work() { spans.Claim([&](int64_t t0, int64_t t1) { Tiles(t0, t1); }); }
+};
+
+ffi::Error GemvQ7(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::Buffer<ffi::U8>& w, float* y32,
+                    uint16_t* yb16) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != kPair || wd[1] != kScaleRows + (xd[1] + 1) / 2)
+    return ffi::Error::InvalidArgument("gemv_q7: x [M, I] and packed w [O/32, 2 + ceil(I/2), 64] uint8 expected");
+  auto job = std::make_shared<Job>();
+  const int64_t I = xd[1], M = xd[0], J = wd[1] - kScaleRows;
+  job->M = M; job->J = J; job->tiles = wd[0]; job->O = wd[0] * kTile;
+  job->Q = reinterpret_cast<const uint8_t*>(w.typed_data());
+  job->dp = dot_products();
+  if (y32 != nullptr) {
+    job->y = y32;
+  } else {
+    job->sums.reset(new float[M * job->O]);
+    job->y = job->sums.get();
+    job->yb = yb16;
+  }
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.typed_data());
+  job->bias.assign(M, 0.0f);
+  if (job->dp) job->xp.assign(M * J, 0u);
+  else job->x.assign(M * 2 * J, 0.0f);
+  for (int64_t m = 0; m < M; ++m) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < I; ++i) {
+      const uint32_t u = uint32_t(xs[m * I + i]) << 16;
+      float v;
+      std::memcpy(&v, &u, 4);
+      sum += v;
+      if (job->dp) job->xp[m * J + i / 2] |= uint32_t(xs[m * I + i]) << (16 * (i % 2));
+      else job->x[m * 2 * J + i] = v;
+    }
+    job->bias[m] = (job->dp ? kBiasDp : kBiasFma) * sum;
+  }
+  const int64_t workers = job->tiles < 8 ? 1 : std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), job->tiles));
+  job->spans.Split(job->tiles, workers);
+  peagle::RunSpans(pool, job, workers);
+  return ffi::Error::Success();
+}
+
+ffi::Error GemvQ7F32(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> w,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  return GemvQ7(pool, x, w, y->typed_data(), nullptr);
+}
+
+ffi::Error GemvQ7Bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> w,
+                        ffi::ResultBuffer<ffi::BF16> y) {
+  return GemvQ7(pool, x, w, nullptr, reinterpret_cast<uint16_t*>(y->typed_data()));
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(peagle_gemv_q7, GemvQ7F32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(peagle_gemv_q7_to_bf16, GemvQ7Bf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>());
