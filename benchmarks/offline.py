@@ -292,7 +292,7 @@ def _configs(args, drafters: dict[str, Any]) -> list[tuple[str, int]]:
     order = ("ngram", "eagle3", "eagle3" + SECOND_ROOT, "peagle", "peagle" + SECOND_ROOT, "eagle3+ngram",
              "eagle3+ngram" + TWO_CHAINS, "peagle+ngram", "peagle+ngram" + TWO_CHAINS)
     for m in order:
-        rows = [m] if m in drafters else [r for r in drafters if r.startswith(m + CUTOFF)]
+        rows = [m] if m in drafters else [r for r in drafters if r.startswith((m + CUTOFF, m + WEIGHTS))]
         for row in rows:
             configs += [(row, k) for k in args.ks]
     if ("none", 0) not in configs:

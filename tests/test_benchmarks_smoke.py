@@ -102,6 +102,9 @@ def test_offline_draft_weights_are_rows_of_one_head():
         assert packs == {dtype} and drafters[row].draft_cutoff == default_draft_cutoff()
         assert offline._method_of(row) == "peagle"
     assert "7-bit" in labels["peagle/wq7"]
+    assert offline._configs(args, drafters) == [("none", 0), ("peagle/wnative", 3), ("peagle/wnative", 5),
+                                                 ("peagle/wnative", 7), ("peagle/wq7", 3), ("peagle/wq7", 5),
+                                                 ("peagle/wq7", 7)]
     for extra in (["--second-root", "on"], ["--draft-cutoff", "0", "0.1"], ["--methods", "peagle+ngram"]):
         with pytest.raises(SystemExit):
             offline.parse_args(["--peagle-head", head, "--draft-weights", "native", "q7", *extra])
