@@ -441,9 +441,14 @@ static ffi::Error Gemv(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::Bu
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.typed_data());
   const int64_t width = 2 * job->J;  // inputs past I are zero (their packed weights are zero too)
   if (loop_set() >= 2) {
-    job->xp.assign(job->M * job->J, 0u);
-    for (int64_t m = 0; m < job->M; ++m)
-      for (int64_t i = 0; i < I; ++i) job->xp[m * job->J + i / 2] |= uint32_t(xs[m * I + i]) << (16 * (i % 2));
+    // A row's bf16 values in order are its pairs already (little-endian: x[2j] in the low
+    // half); only the pad past I is zeroed.
+    job->xp.resize(job->M * job->J);
+    for (int64_t m = 0; m < job->M; ++m) {
+      uint32_t* row = job->xp.data() + m * job->J;
+      std::memcpy(row, xs + m * I, I * sizeof(uint16_t));
+      std::memset(reinterpret_cast<uint16_t*>(row) + I, 0, (2 * job->J - I) * sizeof(uint16_t));
+    }
   } else {
     job->x.assign(job->M * width, 0.0f);
     for (int64_t m = 0; m < job->M; ++m)

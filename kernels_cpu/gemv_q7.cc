@@ -187,7 +187,7 @@ ffi::Error GemvQ7(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::Buffer<
   }
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.typed_data());
   job->bias.assign(M, 0.0f);
-  if (job->dp) job->xp.assign(M * J, 0u);
+  if (job->dp) job->xp.resize(M * J);
   else job->x.assign(M * 2 * J, 0.0f);
   for (int64_t m = 0; m < M; ++m) {
     float sum = 0.0f;
@@ -196,8 +196,12 @@ ffi::Error GemvQ7(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::Buffer<
       float v;
       std::memcpy(&v, &u, 4);
       sum += v;
-      if (job->dp) job->xp[m * J + i / 2] |= uint32_t(xs[m * I + i]) << (16 * (i % 2));
-      else job->x[m * 2 * J + i] = v;
+      if (!job->dp) job->x[m * 2 * J + i] = v;
+    }
+    if (job->dp) {  // a row's bf16 values in order are its pairs already (x[2j] in the low half)
+      uint32_t* row = job->xp.data() + m * J;
+      std::memcpy(row, xs + m * I, I * sizeof(uint16_t));
+      std::memset(reinterpret_cast<uint16_t*>(row) + I, 0, (2 * J - I) * sizeof(uint16_t));
     }
     job->bias[m] = (job->dp ? kBiasDp : kBiasFma) * sum;
   }
