@@ -26,6 +26,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <vector>
+#include "amx.h"
 #include "bf16.h"
 #include "spans.h"
 #include "xla/ffi/api/ffi.h"
@@ -284,26 +285,8 @@ static void dp_tiles(int64_t t0, int64_t t1, int64_t M, int64_t J, int64_t O, co
 // accumulator tiles. TDPBF16PS rounds its sums its own way (not as the FMA loops do), but it
 // computes each output row from its input row alone, so a row's bits still do not depend on
 // the rows beside it; a host with AMX runs every row count here.
-#define PEAGLE_AMX __attribute__((target("amx-tile,amx-bf16")))
-struct TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-PEAGLE_AMX static void amx_configure(int64_t rows) {
-  TileConfig cfg{};
-  cfg.palette = 1;
-  const uint8_t r = static_cast<uint8_t>(rows);
-  cfg.rows[0] = r; cfg.colsb[0] = 64;    // inputs: rows x 16 pairs
-  cfg.rows[1] = 16; cfg.colsb[1] = 64;   // weights, columns 0-15: 16 pairs x 16 columns x 2
-  cfg.rows[2] = 16; cfg.colsb[2] = 64;   // weights, columns 16-31
-  cfg.rows[3] = r; cfg.colsb[3] = 64;    // sums, columns 0-15
-  cfg.rows[4] = r; cfg.colsb[4] = 64;    // sums, columns 16-31
-  // GCC does not treat LDTILECFG as reading `cfg`, and drops the stores above without this.
-  __asm__ __volatile__("" : : "r"(&cfg) : "memory");
-  _tile_loadconfig(&cfg);
-}
+using peagle::amx_configure;
+using peagle::amx_release;
 
 // Rows [0, M) (M <= 16, tiles configured for M rows) of one tile, all pairs.
 PEAGLE_AMX static void amx_tile(const uint32_t* xp, int64_t J, const uint16_t* w, float* yt, int64_t O) {
@@ -321,8 +304,6 @@ PEAGLE_AMX static void amx_tile(const uint32_t* xp, int64_t J, const uint16_t* w
   _tile_stored(3, yt, O * 4);
   _tile_stored(4, yt + 16, O * 4);
 }
-
-PEAGLE_AMX static void amx_release() { _tile_release(); }
 
 // AMX-BF16 and AMX-TILE in CPUID leaf 7, and the kernel's permission to use the tile state.
 static bool amx_usable() {

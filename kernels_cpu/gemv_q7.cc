@@ -14,8 +14,10 @@
 // kept for CPUs without AVX512-BF16) runs out of arithmetic before memory at 3 rows. The sums
 // then carry 192 * sum(x) (or 64 * sum(x) in the FMA loop), subtracted before the scale:
 //   y[m, o] = scale[o] * (sum_i x[m, i] * (c + w7[i, o]) - c * sum_i x[m, i]).
-// Every row takes the same steps whatever the number of rows in the call, so a head's drafts
-// do not depend on the batch beside them.
+// On an AMX host the same bf16 weights go through tile dot products instead (tile_amx), 16 pairs
+// at a time through an L1 buffer: at a draft pass's 4-8 rows the dot-product loop runs out of
+// arithmetic there. Every row takes the same steps whatever the number of rows in the call, so a
+// head's drafts do not depend on the batch beside them.
 //
 // Packed [O/32, 2 + J, 64] uint8, J = ceil(I/2): per 32-column tile, first the tile's 32 float32
 // column scales (128 bytes, as 2 rows of 64), then per input pair j each column's two bytes
@@ -26,6 +28,7 @@
 #include <cstring>
 #include <memory>
 #include <vector>
+#include "amx.h"
 #include "bf16.h"
 #include "spans.h"
 #include "xla/ffi/api/ffi.h"
@@ -87,6 +90,45 @@ PEAGLE_DPBF16 void rows_dp(int64_t R, const uint32_t* xp, int64_t J, const uint8
   }
 }
 
+// ---- AMX: the bytes made bf16 in L1, then tile dot products ---------------------------------------
+// On an AMX host the dot-product loop runs out of arithmetic before memory at a draft pass's 4-8
+// rows (each row costs two VDPBF16PS per 64 bytes of weights). Here every 16 pairs of a tile (1 KiB
+// of bytes) become 2 KiB of bf16 weights (128 + m, as above) in an L1 buffer, and one
+// [rows, 16 pairs] x [16 pairs, 32 columns] tile product takes them for all rows at once. Needs
+// J a multiple of 16 (the input tile's width); other widths keep the dot-product loop.
+#define PEAGLE_AMX_Q7 __attribute__((target("avx512f,avx512bw,amx-tile,amx-bf16")))
+constexpr int64_t kAmxPairs = 16;   // input pairs per tile product
+constexpr int64_t kAmxRows = 16;    // rows per tile product
+
+// Rows [0, rows) (tiles configured for them) of one tile: sums into acc [rows, 32].
+PEAGLE_AMX_Q7 void tile_amx(const uint32_t* xp, int64_t J, const uint8_t* q, float* acc) {
+  alignas(64) uint16_t w[kAmxPairs * kPair];  // 16 pairs x 32 columns x 2 bf16
+  const __m512i exponent = _mm512_set1_epi16(0x4300);
+  _tile_zero(3);
+  _tile_zero(4);
+  for (int64_t j = 0; j < J; j += kAmxPairs) {
+    const uint8_t* qj = q + j * kPair;
+#pragma GCC unroll 16
+    for (int64_t p = 0; p < kAmxPairs; ++p) {
+      const uint8_t* src = qj + p * kPair;
+      _mm_prefetch(reinterpret_cast<const char*>(src) + kAhead, _MM_HINT_T0);
+      _mm512_store_si512(w + p * kPair, _mm512_or_si512(
+          _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))), exponent));
+      _mm512_store_si512(w + p * kPair + 32, _mm512_or_si512(
+          _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32))), exponent));
+    }
+    // GCC does not treat the tile loads as reading `w`, and drops the stores above without this.
+    __asm__ __volatile__("" : : "r"(w) : "memory");
+    _tile_loadd(0, xp + j, J * 4);
+    _tile_loadd(1, w, kPair * 2);
+    _tile_loadd(2, w + kTile, kPair * 2);
+    _tile_dpbf16ps(3, 0, 1);
+    _tile_dpbf16ps(4, 0, 2);
+  }
+  _tile_stored(3, acc, kTile * 4);
+  _tile_stored(4, acc + 16, kTile * 4);
+}
+
 // ---- AVX2 + FMA: the bytes widened to float32 ------------------------------------------------------
 constexpr int kBlockFma = 2;  // rows per pass: 8 accumulators + 8 weight vectors + 2 broadcasts
 
@@ -128,11 +170,22 @@ bool dot_products() {
   return dp;
 }
 
+extern "C" int peagle_gemv_loop_set();  // gemv_bf16.cc: 2 where the bf16 matmul runs on AMX tiles
+
+enum class Loop { kFma, kDp, kAmx };
+
+// The loop for a call with J input pairs: AMX tiles where the bf16 matmul uses them (and J fits
+// the tiles), else the dot products where the CPU has AVX512-BF16, else the FMAs.
+Loop loop_for(int64_t J) {
+  if (!dot_products()) return Loop::kFma;
+  return peagle_gemv_loop_set() == 2 && J % kAmxPairs == 0 ? Loop::kAmx : Loop::kDp;
+}
+
 // One call's work: spans of output tiles (spans.h).
 struct Job {
   int64_t M, J, O, tiles;
   peagle::Spans spans;
-  bool dp;
+  Loop loop;
   std::vector<uint32_t> xp;  // the dot-product loop: the rows as bf16 pairs
   std::vector<float> x;      // the FMA loop: the rows widened to float32
   std::vector<float> bias;   // per row: the loop's constant times sum(x)
@@ -142,18 +195,18 @@ struct Job {
   uint16_t* yb = nullptr;
 
   void Tiles(int64_t t0, int64_t t1) {
-    const int64_t block = dp ? kBlockDp : kBlockFma;
-    alignas(64) float acc[kBlockDp * kTile];
-    for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* tile = Q + t * (kScaleRows + J) * kPair;
-      float scale[kTile];
-      std::memcpy(scale, tile, sizeof(scale));
-      const uint8_t* q = tile + kScaleRows * kPair;
-      // Rows in blocks; each block streams the tile (18 KiB at I = 576: after the first block
-      // it is in L1/L2).
-      for (int64_t r0 = 0; r0 < M; r0 += block) {
-        const int64_t rows = std::min(M - r0, block);
-        if (dp) rows_dp(rows, xp.data() + r0 * J, J, q, acc);
+    const int64_t block = loop == Loop::kAmx ? kAmxRows : loop == Loop::kDp ? kBlockDp : kBlockFma;
+    alignas(64) float acc[kAmxRows * kTile];
+    for (int64_t r0 = 0; r0 < M; r0 += block) {
+      const int64_t rows = std::min(M - r0, block);
+      if (loop == Loop::kAmx) peagle::amx_configure(rows);
+      for (int64_t t = t0; t < t1; ++t) {
+        const uint8_t* tile = Q + t * (kScaleRows + J) * kPair;
+        float scale[kTile];
+        std::memcpy(scale, tile, sizeof(scale));
+        const uint8_t* q = tile + kScaleRows * kPair;
+        if (loop == Loop::kAmx) tile_amx(xp.data() + r0 * J, J, q, acc);
+        else if (loop == Loop::kDp) rows_dp(rows, xp.data() + r0 * J, J, q, acc);
         else rows_fma(rows, x.data() + r0 * 2 * J, J, q, acc);
         for (int64_t r = 0; r < rows; ++r) {
           float* yr = y + (r0 + r) * O + t * kTile;
@@ -161,6 +214,7 @@ struct Job {
         }
       }
     }
+    if (loop == Loop::kAmx) peagle::amx_release();
     if (yb != nullptr)
       for (int64_t m = 0; m < M; ++m) peagle::to_bf16(y + m * O + t0 * kTile, yb + m * O + t0 * kTile, (t1 - t0) * kTile);
   }
@@ -177,7 +231,8 @@ ffi::Error GemvQ7(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::Buffer<
   const int64_t I = xd[1], M = xd[0], J = wd[1] - kScaleRows;
   job->M = M; job->J = J; job->tiles = wd[0]; job->O = wd[0] * kTile;
   job->Q = reinterpret_cast<const uint8_t*>(w.typed_data());
-  job->dp = dot_products();
+  job->loop = loop_for(J);
+  const bool pairs = job->loop != Loop::kFma;
   if (y32 != nullptr) {
     job->y = y32;
   } else {
@@ -187,7 +242,7 @@ ffi::Error GemvQ7(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::Buffer<
   }
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.typed_data());
   job->bias.assign(M, 0.0f);
-  if (job->dp) job->xp.resize(M * J);
+  if (pairs) job->xp.resize(M * J);
   else job->x.assign(M * 2 * J, 0.0f);
   for (int64_t m = 0; m < M; ++m) {
     float sum = 0.0f;
@@ -196,14 +251,14 @@ ffi::Error GemvQ7(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::Buffer<
       float v;
       std::memcpy(&v, &u, 4);
       sum += v;
-      if (!job->dp) job->x[m * 2 * J + i] = v;
+      if (!pairs) job->x[m * 2 * J + i] = v;
     }
-    if (job->dp) {  // a row's bf16 values in order are its pairs already (x[2j] in the low half)
+    if (pairs) {  // a row's bf16 values in order are its pairs already (x[2j] in the low half)
       uint32_t* row = job->xp.data() + m * J;
       std::memcpy(row, xs + m * I, I * sizeof(uint16_t));
       std::memset(reinterpret_cast<uint16_t*>(row) + I, 0, (2 * J - I) * sizeof(uint16_t));
     }
-    job->bias[m] = (job->dp ? kBiasDp : kBiasFma) * sum;
+    job->bias[m] = (pairs ? kBiasDp : kBiasFma) * sum;
   }
   const int64_t workers = job->tiles < 8 ? 1 : std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), job->tiles));
   job->spans.Split(job->tiles, workers);

@@ -244,30 +244,35 @@ _Q7_SCRIPT = """
 import sys, numpy as np, jax.numpy as jnp, kernels_cpu
 assert kernels_cpu.available(), kernels_cpu.unavailable_reason()
 rng = np.random.default_rng(0)
-x = jnp.asarray(rng.standard_normal((20, 577)), jnp.bfloat16)
-w = jnp.asarray(rng.standard_normal((577, 96)) * 0.05, jnp.bfloat16)
+width = int(sys.argv[1])
+x = jnp.asarray(rng.standard_normal((20, width)), jnp.bfloat16)
+w = jnp.asarray(rng.standard_normal((width, 96)) * 0.05, jnp.bfloat16)
 packed = kernels_cpu.pack_q7(w)
-ref = np.asarray(x, np.float64) @ np.asarray(kernels_cpu.unpack_q7(packed, 577), np.float64)
+ref = np.asarray(x, np.float64) @ np.asarray(kernels_cpu.unpack_q7(packed, width), np.float64)
 full = np.asarray(kernels_cpu.matmul(x, packed))
 err = float(np.abs(full - ref).max() / np.abs(ref).max())
-invariant = all(np.array_equal(np.asarray(kernels_cpu.matmul(x[:m], packed)), full[:m]) for m in (1, 2, 3, 14, 15))
+invariant = all(np.array_equal(np.asarray(kernels_cpu.matmul(x[:m], packed)), full[:m])
+                for m in (1, 2, 3, 14, 15, 16, 17))
 print(err, invariant)
 """
 
 
 @needs_kernel
-@pytest.mark.parametrize("extra_env", [{}, {"PEAGLE_CPU_KERNEL_NO_DPBF16": "1"}], ids=["default", "fma"])
-def test_q7_matmul_is_the_dequantized_product_and_row_invariant(extra_env):
+@pytest.mark.parametrize("width", [576, 577])
+@pytest.mark.parametrize("extra_env", [{}, {"PEAGLE_CPU_KERNEL_NO_AMX": "1"}, {"PEAGLE_CPU_KERNEL_NO_DPBF16": "1"}],
+                         ids=["default", "no-amx", "fma"])
+def test_q7_matmul_is_the_dequantized_product_and_row_invariant(extra_env, width):
     """x @ pack_q7(w) equals x times the weights `unpack_q7` gives back, to float32 accuracy (the
-    dot-product loop's bias of 192 * sum(x) and the FMA loop's 64 * sum(x) cancel), for an odd
-    input width, in both loops (the library picks one per process, so each runs in a fresh one);
-    and a row's result does not depend on the rows beside it."""
+    AMX and dot-product loops' bias of 192 * sum(x) and the FMA loop's 64 * sum(x) cancel), in
+    every loop the host has (the library picks one per process, so each runs in a fresh one;
+    AMX takes widths in whole blocks of 32 inputs, 576, and 577 the next loop); and a row's
+    result does not depend on the rows beside it, over more than one block of 16 rows."""
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("PEAGLE_CPU_KERNEL_")} | extra_env
-    done = subprocess.run([sys.executable, "-c", _Q7_SCRIPT], check=True, env=env, timeout=300,
+    done = subprocess.run([sys.executable, "-c", _Q7_SCRIPT, str(width)], check=True, env=env, timeout=300,
                           capture_output=True, text=True)
     err, invariant = done.stdout.split()[-2:]
     assert float(err) < 1e-5, f"q7 matmul relative error {err}"
