@@ -172,12 +172,28 @@ def test_process_logits_keeps_whole_tie_groups():
             assert (out[i][x == value] > 0).all()
 
 
-def test_greedy_token_is_argmax_with_lowest_index_ties():
-    x = jax.random.normal(jax.random.key(5), (4, 3, 1000), jnp.float32)
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel-if-any", "xla"])
+@pytest.mark.parametrize("vocab", [1000, 20011, 49152])
+def test_greedy_token_is_argmax_with_lowest_index_ties(vocab, kernel, monkeypatch):
+    """jnp.argmax's answer (the lowest index of the max) on ties, -inf rows and a maximum that
+    repeats across the kernel's chunks of 8192. Float32 rows of 1024+ take kernels_cpu.argmax
+    where it runs ("cpu-kernel-if-any"), else XLA; the kernel gives a row with a NaN its last
+    index."""
+    if not kernel:
+        monkeypatch.setattr(S, "_argmax_kernel_available", lambda: False)
+    x = jax.random.normal(jax.random.key(5), (4, 3, vocab), jnp.float32)
     x = jnp.round(x * 4) / 4  # many ties, including at the top
     x = x.at[1, 0].set(-jnp.inf).at[2, 1, 7].set(jnp.inf).at[3, 2].set(5.0)
+    x = x.at[0, 2, vocab - 1].set(9.0).at[0, 2, vocab // 2 + 3].set(9.0).at[0, 2, vocab - 9].set(9.0)
     for arr in (x, x.astype(jnp.bfloat16)):
         np.testing.assert_array_equal(np.asarray(jax.jit(S.greedy_token)(arr)), np.argmax(np.asarray(arr), axis=-1))
+    if not (kernel and vocab >= S.ARGMAX_KERNEL_MIN_VOCAB and S._argmax_kernel_available()):
+        return  # XLA's max may skip a NaN: its answer for a NaN row is not specified
+    nan = x.at[2, 0, 5].set(jnp.nan).at[1, 1, vocab - 2].set(jnp.nan)
+    got = np.asarray(jax.jit(S.greedy_token)(nan))
+    assert got[2, 0] == got[1, 1] == vocab - 1
+    np.testing.assert_array_equal(np.delete(got.reshape(-1), [6, 4]),
+                                  np.delete(np.argmax(np.asarray(x), axis=-1).reshape(-1), [6, 4]))
 
 
 def test_process_logits_numerically_safe():
