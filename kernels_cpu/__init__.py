@@ -41,7 +41,7 @@ from jaxtyping import Array, BFloat16, Float, Int, UInt8
 TILE = 32  # output columns per packed tile (4 x 8 float32 lanes)
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv_bf16.cc", "gemv_q7.cc", "attention_bf16.cc",
                                                        "argmax_f32.cc"))
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("spans.h", "bf16.h", "amx.h"))  # a change rebuilds too
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("spans.h", "bf16.h", "amx.h", "vmath.h"))  # a change rebuilds too
 # One library per jaxlib: the FFI's API version is compiled in, and a library built against
 # another jaxlib's headers is refused at registration.
 LIBRARY = Path(__file__).parent / "_build" / f"libpeagle_cpu-jaxlib{jax.lib.__version__}.so"
@@ -50,6 +50,7 @@ TARGET_BF16_OUT = "peagle_gemv_bf16_to_bf16"  # the same sums, rounded to bf16 i
 ATTENTION_TARGET = "peagle_cache_attention_bf16"
 Q7_TARGET = "peagle_gemv_q7"  # weight-only 7-bit weights in bytes (`pack_q7`), float32 sums
 Q7_BF16_OUT = "peagle_gemv_q7_to_bf16"
+GLU_TARGET = "peagle_gemv_glu_bf16_to_bf16"  # SiLU(gate) * up of [M, 2I] rows, then the matmul
 ARGMAX_TARGET = "peagle_argmax_f32"
 Q7_SCALE_ROWS = 2  # a packed 7-bit tile starts with its 32 float32 column scales: 2 rows of 64 bytes
 
@@ -117,7 +118,8 @@ def unavailable_reason() -> str | None:
     try:
         for name, fn in ((TARGET_NAME, lib.peagle_gemv_bf16), (TARGET_BF16_OUT, lib.peagle_gemv_bf16_to_bf16),
                          (ATTENTION_TARGET, lib.peagle_cache_attention_bf16), (Q7_TARGET, lib.peagle_gemv_q7),
-                         (Q7_BF16_OUT, lib.peagle_gemv_q7_to_bf16), (ARGMAX_TARGET, lib.peagle_argmax_f32)):
+                         (Q7_BF16_OUT, lib.peagle_gemv_q7_to_bf16), (ARGMAX_TARGET, lib.peagle_argmax_f32),
+                         (GLU_TARGET, lib.peagle_gemv_glu_bf16_to_bf16)):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="cpu")
     except jax.errors.JaxRuntimeError as e:
         return f"jaxlib {jax.lib.__version__} refused {LIBRARY.name}: {e}"
@@ -172,10 +174,14 @@ def unpack_q7(packed: UInt8[Array, "T S 64"], in_features: int) -> Float[Array, 
 
 
 def matmul(x: BFloat16[Array, "*lead I"], packed: BFloat16[Array, "T J 64"] | UInt8[Array, "T S 64"],
-           out_dtype=jnp.float32) -> Float[Array, "*lead O"]:
+           out_dtype=jnp.float32, *, glu: bool = False) -> Float[Array, "*lead O"]:
     """x @ w summed in float32, w given as `pack(w)` or `pack_q7(w)`; any number of leading
     rows. With out_dtype bfloat16 the kernel rounds the sums itself (to nearest even, the bits
-    XLA's convert gives), which spares the graph a convert after every call."""
+    XLA's convert gives), which spares the graph a convert after every call.
+
+    `glu=True` (bf16 weights and result): x is [..., 2I], a SwiGLU MLP's gate and up outputs
+    side by side, and the product is taken of bf16(SiLU(gate) * up) (SiLU rounded to bf16 as
+    `jax.nn.silu` in bf16 is, then the product), computed while the rows are prepared."""
     lead, i = x.shape[:-1], x.shape[-1]
     rows = 1
     for d in lead:
@@ -184,7 +190,13 @@ def matmul(x: BFloat16[Array, "*lead I"], packed: BFloat16[Array, "T J 64"] | UI
     if not bf16_out and jnp.dtype(out_dtype) != jnp.float32:
         raise ValueError(f"kernels_cpu.matmul: out_dtype must be float32 or bfloat16, got {out_dtype}")
     shape = jax.ShapeDtypeStruct((rows, packed.shape[0] * TILE), jnp.bfloat16 if bf16_out else jnp.float32)
-    if packed.dtype == jnp.uint8:
+    if glu:
+        if packed.dtype == jnp.uint8 or not bf16_out or i % 2:
+            raise ValueError("kernels_cpu.matmul(glu=True): bf16-packed weights, a bfloat16 result and an even "
+                             f"input width (gate | up) only; got {packed.dtype} weights, {jnp.dtype(out_dtype)}, "
+                             f"width {i}")
+        target = GLU_TARGET
+    elif packed.dtype == jnp.uint8:
         target = Q7_BF16_OUT if bf16_out else Q7_TARGET
     else:
         target = TARGET_BF16_OUT if bf16_out else TARGET_NAME

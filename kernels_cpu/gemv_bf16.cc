@@ -29,6 +29,7 @@
 #include "amx.h"
 #include "bf16.h"
 #include "spans.h"
+#include "vmath.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -401,15 +402,18 @@ struct Job {
   }
 };
 
-// y = x @ W in float32 (y32) or rounded to bf16 (yb16); exactly one of the two is given.
+// y = x @ W in float32 (y32) or rounded to bf16 (yb16); exactly one of the two is given. With
+// `glu`, x is [M, 2I] (a SwiGLU MLP's gate and up projections side by side) and the product is
+// taken of its rows' SiLU(gate) * up in bf16 (vmath.h), which spares XLA that elementwise pass.
 static ffi::Error Gemv(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::Buffer<ffi::BF16>& w, float* y32,
-                       uint16_t* yb16) {
+                       uint16_t* yb16, bool glu = false) {
   auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || wd[2] != 2 * kTile || wd[1] != ((xd[1] + 1) / 2 + 15) / 16 * 16)
-    return ffi::Error::InvalidArgument("gemv_bf16: x [M, I] and packed w [O/32, J, 64] expected, "
+  const int64_t I = xd.size() == 2 ? (glu ? xd[1] / 2 : xd[1]) : 0;
+  if (xd.size() != 2 || (glu && xd[1] % 2 != 0) || wd.size() != 3 || wd[2] != 2 * kTile ||
+      wd[1] != ((I + 1) / 2 + 15) / 16 * 16)
+    return ffi::Error::InvalidArgument("gemv_bf16: x [M, I] (gated: [M, 2I]) and packed w [O/32, J, 64] expected, "
                                        "J = ceil(I / 2) rounded up to a multiple of 16");
   auto job = std::make_shared<Job>();
-  const int64_t I = xd[1];
   job->M = xd[0]; job->J = wd[1]; job->tiles = wd[0]; job->O = wd[0] * kTile;
   job->W = reinterpret_cast<const uint16_t*>(w.typed_data());
   if (y32 != nullptr) {
@@ -420,6 +424,12 @@ static ffi::Error Gemv(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::Bu
     job->yb = yb16;
   }
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.typed_data());
+  std::vector<uint16_t> gated;
+  if (glu) {
+    gated.resize(job->M * I);
+    for (int64_t m = 0; m < job->M; ++m) peagle::silu_mul_bf16(xs + m * 2 * I, xs + m * 2 * I + I, gated.data() + m * I, I);
+    xs = gated.data();
+  }
   const int64_t width = 2 * job->J;  // inputs past I are zero (their packed weights are zero too)
   if (loop_set() >= 2) {
     // A row's bf16 values in order are its pairs already (little-endian: x[2j] in the low
@@ -454,6 +464,18 @@ static ffi::Error GemvBf16ToBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
                                  ffi::ResultBuffer<ffi::BF16> y) {
   return Gemv(pool, x, w, nullptr, reinterpret_cast<uint16_t*>(y->typed_data()));
 }
+
+static ffi::Error GemvGluBf16ToBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                                    ffi::ResultBuffer<ffi::BF16> y) {
+  return Gemv(pool, x, w, nullptr, reinterpret_cast<uint16_t*>(y->typed_data()), true);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(peagle_gemv_glu_bf16_to_bf16, GemvGluBf16ToBf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(peagle_gemv_bf16, GemvBf16,
                               ffi::Ffi::Bind()

@@ -340,3 +340,58 @@ def test_load_rejects_bad_draft_weights():
         load(method="ngram", draft_weights="q7")
     with pytest.raises(ValueError, match="needs dtype bfloat16"):
         load(dtype="float32", draft_weights="q7")
+
+
+# ---- SiLU(gate) * up inside the down projection's call (matmul(glu=True)) ------------------------
+
+_GLU_SCRIPT = """
+import numpy as np, jax, jax.numpy as jnp, kernels_cpu
+from peagle_jax.models.layers import silu
+assert kernels_cpu.available(), kernels_cpu.unavailable_reason()
+rng = np.random.default_rng(0)
+f = 200  # not a multiple of 16: the 8-lane loop and the padded tail run too
+gu = jnp.asarray(rng.standard_normal((9, 2 * f)) * 4, jnp.bfloat16)
+gu = gu.at[0, :6].set(jnp.asarray([-100.0, -30.0, 0.0, 30.0, 100.0, -0.0], jnp.bfloat16))
+eye = kernels_cpu.pack(jnp.eye(f, 32 * 7, dtype=jnp.bfloat16))  # the gated rows themselves
+got = np.asarray(kernels_cpu.matmul(gu, eye, jnp.bfloat16, glu=True), np.float32)[:, :f]
+want = np.asarray(silu(gu[:, :f]) * gu[:, f:], np.float32)
+invariant = all(np.array_equal(np.asarray(kernels_cpu.matmul(gu[:m], eye, jnp.bfloat16, glu=True), np.float32)[:, :f],
+                               got[:m]) for m in (1, 2, 5))
+print(got.tobytes().hex())
+print(int((got != want).sum()), got.size, invariant)
+"""
+
+
+@needs_kernel
+def test_glu_matmul_gates_the_rows_in_the_kernel_alike_on_every_vector_width():
+    """matmul(glu=True) multiplies bf16(SiLU(gate) * up), the rounding of layers.silu (float32
+    SiLU rounded to bf16, then the product): at most 1% of values differ in the last bit (the
+    kernel's exp polynomial against XLA's logistic); a row does not depend on the rows beside it;
+    the 16-lane and the 8-lane loops (PEAGLE_CPU_KERNEL_AVX2) give the same bits."""
+    import os
+    import subprocess
+    import sys
+
+    outs = []
+    for extra in ({}, {"PEAGLE_CPU_KERNEL_AVX2": "1"}):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PEAGLE_CPU_KERNEL_")} | extra
+        done = subprocess.run([sys.executable, "-c", _GLU_SCRIPT], check=True, env=env, timeout=300,
+                              capture_output=True, text=True)
+        bits, counts = done.stdout.split("\n")[-3:-1]
+        differ, size, invariant = counts.split()
+        assert int(differ) <= 0.01 * int(size), f"{differ} of {size} gated values differ from layers.silu's"
+        assert invariant == "True", "a row's gated product depends on the rows beside it"
+        outs.append(bits)
+    assert outs[0] == outs[1], "the 16-lane and 8-lane SiLU loops give different bits"
+
+
+@needs_kernel
+def test_glu_matmul_rejects_what_it_cannot_gate():
+    w = jnp.zeros((64, 32), jnp.bfloat16)
+    x = jnp.zeros((2, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="glu=True"):
+        kernels_cpu.matmul(x, kernels_cpu.pack_q7(w), jnp.bfloat16, glu=True)
+    with pytest.raises(ValueError, match="glu=True"):
+        kernels_cpu.matmul(x, kernels_cpu.pack(w), jnp.float32, glu=True)
+    with pytest.raises(ValueError, match="glu=True"):
+        kernels_cpu.matmul(x[:, :127], kernels_cpu.pack(w), jnp.bfloat16, glu=True)
