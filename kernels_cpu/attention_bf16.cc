@@ -13,6 +13,8 @@
 // Each key is widened once and scored for all 8 lanes; the 8 dot products end in one transposed
 // add tree (sum8x8) instead of 8 horizontal sums, and the values are weighed with the
 // accumulators in registers. At 4 verify rows this is about twice as fast as a row at a time.
+// Where the CPU has AVX512-BF16 (and the head dim is a multiple of 32), attend_lanes_wide does
+// the same item with bf16 pair dot products for the scores and 16-wide FMAs for the values.
 //
 // Exactness: every lane runs the same instructions on its own data, whatever else is in the call,
 // and its sums run over its visible keys in increasing position. A key one lane does not see
@@ -24,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -111,54 +114,62 @@ void weigh_values_groups(const float* e, const int32_t* keys, int64_t n, const u
   }
 }
 
-// One item: up to 8 query heads of kv head `kvh` in sequence b (any of its T rows), one per lane.
-// The keys visible to any lane are visited once, in increasing position; a key a lane does not
-// see gets score -inf and weight exactly 0 there, and adding 0 leaves every sum as it was. So each
-// lane's max, normaliser and weighted values are its own visible keys' sums, in order: the bits
-// of the same row computed alone, whatever shares its call and wherever its keys sit in the cache.
-// `e` holds at least 8 * S floats, `keys` S ints.
-template <int N>
-void attend_lanes(const Problem& p, int64_t b, int64_t kvh, int64_t first, float* e, int32_t* keys) {
-  const int64_t D = p.D, G = p.H / p.KVH;
-  alignas(32) float qf[kLanes * kMaxHeadDim];
-  alignas(32) int32_t lpos[kLanes], llo[kLanes], lhi[kLanes];
+#define PEAGLE_INLINE inline __attribute__((always_inline))
+
+// The lanes of one item: up to 8 query heads of kv head `kvh` in sequence b (any of its T rows).
+struct Lanes {
+  alignas(32) int32_t pos[kLanes], lo[kLanes], hi[kLanes];
+  const uint16_t* q[kLanes];  // each lane's query row (bf16, D values)
   uint16_t* out[kLanes];
-  int64_t last = -1;
+  int64_t last = -1;          // the furthest key any lane sees
+};
+
+template <int N>
+PEAGLE_INLINE void setup_lanes(const Problem& p, int64_t b, int64_t kvh, int64_t first, Lanes& ln) {
+  const int64_t G = p.H / p.KVH;
   for (int g = 0; g < kLanes; ++g) {
     if (g >= N) {
-      lpos[g] = -1, llo[g] = lhi[g] = 0;
+      ln.pos[g] = -1, ln.lo[g] = ln.hi[g] = 0, ln.q[g] = nullptr, ln.out[g] = nullptr;
       continue;
     }
     const int64_t h = first + g, t = h / G, head = kvh * G + h % G, bt = b * p.T + t;
-    const uint16_t* qr = p.q + (bt * p.H + head) * D;
-    for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(qf + g * D + d, load8_bf16(qr + d));
-    out[g] = p.out + (bt * p.H + head) * D;
-    lpos[g] = static_cast<int32_t>(std::min<int64_t>(p.pos[bt], p.S - 1));
-    llo[g] = p.lo[bt], lhi[g] = p.hi[bt];
-    last = std::max<int64_t>(last, lpos[g]);
+    ln.q[g] = p.q + (bt * p.H + head) * p.D;
+    ln.out[g] = p.out + (bt * p.H + head) * p.D;
+    ln.pos[g] = static_cast<int32_t>(std::min<int64_t>(p.pos[bt], p.S - 1));
+    ln.lo[g] = p.lo[bt], ln.hi[g] = p.hi[bt];
+    ln.last = std::max<int64_t>(ln.last, ln.pos[g]);
   }
-  const __m256i vpos = _mm256_load_si256(reinterpret_cast<const __m256i*>(lpos));
-  const __m256i vlo = _mm256_load_si256(reinterpret_cast<const __m256i*>(llo));
-  const __m256i vhi = _mm256_load_si256(reinterpret_cast<const __m256i*>(lhi));
-  const __m256 scale = _mm256_set1_ps(p.scale), ninf = _mm256_set1_ps(-INFINITY);
-  const uint16_t* kb = p.k + (b * p.KVH + kvh) * p.S * D;
-  const uint16_t* vb = p.v + (b * p.KVH + kvh) * p.S * D;
+}
 
-  int64_t n = 0;
-  __m256 m = ninf;
-  for (int64_t s = 0; s <= last; ++s) {
+// Which lanes see key s: s <= pos and not lo <= s < hi (all ones where seen).
+struct Visibility {
+  __m256i pos, lo, hi;
+  PEAGLE_INLINE explicit Visibility(const Lanes& ln)
+      : pos(_mm256_load_si256(reinterpret_cast<const __m256i*>(ln.pos))),
+        lo(_mm256_load_si256(reinterpret_cast<const __m256i*>(ln.lo))),
+        hi(_mm256_load_si256(reinterpret_cast<const __m256i*>(ln.hi))) {}
+  PEAGLE_INLINE __m256 at(int64_t s) const {
     const __m256i vs = _mm256_set1_epi32(static_cast<int32_t>(s));
-    // seen: s <= pos and not (lo <= s < hi)
-    const __m256i beyond = _mm256_cmpgt_epi32(vs, vpos);
-    const __m256i hidden = _mm256_andnot_si256(_mm256_cmpgt_epi32(vlo, vs), _mm256_cmpgt_epi32(vhi, vs));
-    const __m256 seen = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_or_si256(beyond, hidden), _mm256_set1_epi32(-1)));
-    if (_mm256_movemask_ps(seen) == 0) continue;
-    const __m256 sc = _mm256_blendv_ps(ninf, _mm256_mul_ps(key_scores<N>(qf, kb + s * D, D), scale), seen);
-    _mm256_storeu_ps(e + n * kLanes, sc);
-    m = _mm256_max_ps(m, sc);
-    keys[n++] = static_cast<int32_t>(s);
+    const __m256i beyond = _mm256_cmpgt_epi32(vs, pos);
+    const __m256i hidden = _mm256_andnot_si256(_mm256_cmpgt_epi32(lo, vs), _mm256_cmpgt_epi32(hi, vs));
+    return _mm256_castsi256_ps(_mm256_xor_si256(_mm256_or_si256(beyond, hidden), _mm256_set1_epi32(-1)));
   }
-  // weights exp(score - max), exactly 0 where a lane does not see the key; normaliser in key order
+};
+
+// Records key s's lane scores (times the scale; -inf where a lane does not see it) as entry n of
+// e [n, 8] and keys, and folds them into the lanes' running max m.
+PEAGLE_INLINE void record_key(int64_t s, __m256 scores, __m256 seen, float scale, float* e, int32_t* keys, int64_t& n,
+                              __m256& m) {
+  const __m256 sc = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_mul_ps(scores, _mm256_set1_ps(scale)), seen);
+  _mm256_storeu_ps(e + n * kLanes, sc);
+  m = _mm256_max_ps(m, sc);
+  keys[n++] = static_cast<int32_t>(s);
+}
+
+// Weights exp(score - max) in place, exactly 0 where a lane does not see the key, and each
+// lane's normaliser in key order (inf for a lane that sees nothing: padding, 0 / inf = zeros).
+PEAGLE_INLINE void softmax_weights(float* e, int64_t n, __m256 m, int lanes, float* l) {
+  const __m256 ninf = _mm256_set1_ps(-INFINITY);
   __m256 lsum = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
     const __m256 sc = _mm256_loadu_ps(e + i * kLanes);
@@ -167,28 +178,150 @@ void attend_lanes(const Problem& p, int64_t b, int64_t kvh, int64_t first, float
     _mm256_storeu_ps(e + i * kLanes, w);
     lsum = _mm256_add_ps(lsum, w);
   }
-  alignas(32) float l[kLanes];
   _mm256_store_ps(l, lsum);
+  for (int g = 0; g < lanes; ++g)
+    if (l[g] == 0.0f) l[g] = INFINITY;
+}
+
+// One item: up to 8 query heads of kv head `kvh` in sequence b (any of its T rows), one per lane.
+// The keys visible to any lane are visited once, in increasing position; a key a lane does not
+// see gets score -inf and weight exactly 0 there, and adding 0 leaves every sum as it was. So each
+// lane's max, normaliser and weighted values are its own visible keys' sums, in order: the bits
+// of the same row computed alone, whatever shares its call and wherever its keys sit in the cache.
+// `e` holds at least 8 * S floats, `keys` S ints.
+template <int N>
+void attend_lanes(const Problem& p, int64_t b, int64_t kvh, int64_t first, float* e, int32_t* keys) {
+  const int64_t D = p.D;
+  Lanes ln;
+  setup_lanes<N>(p, b, kvh, first, ln);
+  alignas(32) float qf[kLanes * kMaxHeadDim];  // the query rows widened to float32 once
   for (int g = 0; g < N; ++g)
-    if (l[g] == 0.0f) l[g] = INFINITY;  // a row that sees nothing (padding): 0 / inf = zeros
-  weigh_values_groups<4>(e, keys, n, vb, D, N, l, out);
+    for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(qf + g * D + d, load8_bf16(ln.q[g] + d));
+  const uint16_t* kb = p.k + (b * p.KVH + kvh) * p.S * D;
+  const Visibility visible(ln);
+  int64_t n = 0;
+  __m256 m = _mm256_set1_ps(-INFINITY);
+  for (int64_t s = 0; s <= ln.last; ++s) {
+    const __m256 seen = visible.at(s);
+    if (_mm256_movemask_ps(seen) == 0) continue;
+    record_key(s, key_scores<N>(qf, kb + s * D, D), seen, p.scale, e, keys, n, m);
+  }
+  alignas(32) float l[kLanes];
+  softmax_weights(e, n, m, N, l);
+  weigh_values_groups<4>(e, keys, n, p.v + (b * p.KVH + kvh) * p.S * D, D, N, l, ln.out);
+}
+
+// ---- AVX-512 with AVX512-BF16: the same item in half the instructions ---------------------------
+// Scores: VDPBF16PS on the bf16 query and key pairs as stored (16 pairs per instruction, no
+// widening), each head's 16 partial sums folded to 8 and then the 8x8 tree. Values: 16 head-dim
+// values per FMA, the keys in the same order as the 8-lane loop (so the same bits there). Each
+// lane still runs the same instructions on its own data whatever shares the call, so a row's
+// result keeps every invariance above; the scores' rounding differs from the 8-lane loop's,
+// so a host's tokens depend on which of the two it runs (as with the matmul's loop sets).
+#define PEAGLE_WIDE __attribute__((target("avx512f,avx512bw,avx512bf16")))
+
+template <int N>
+PEAGLE_WIDE PEAGLE_INLINE __m256 key_scores_dp(const uint16_t* const* q, const uint16_t* ks, int64_t D) {
+  __m512 acc[N];
+#pragma GCC unroll 8
+  for (int g = 0; g < N; ++g) acc[g] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 32) {
+    const __m512bh kc = (__m512bh)_mm512_loadu_si512(ks + d);
+#pragma GCC unroll 8
+    for (int g = 0; g < N; ++g) acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)_mm512_loadu_si512(q[g] + d), kc);
+  }
+  __m256 a[kLanes];
+#pragma GCC unroll 8
+  for (int g = 0; g < kLanes; ++g)
+    a[g] = g < N ? _mm256_add_ps(_mm512_castps512_ps256(acc[g]),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[g]), 1)))
+                 : _mm256_setzero_ps();
+  return sum8x8(a);
+}
+
+// out[lane] += e[i, lane] * v[keys[i]] (see weigh_values), 32 head-dim values a pass.
+template <int NH>
+PEAGLE_WIDE PEAGLE_INLINE void weigh_values_wide(const float* e, const int32_t* keys, int64_t n, const uint16_t* vb,
+                                                 int64_t D, int lane0, const float* l, uint16_t* const* out) {
+  for (int64_t d = 0; d < D; d += 32) {
+    __m512 acc0[NH], acc1[NH];
+#pragma GCC unroll 8
+    for (int g = 0; g < NH; ++g) acc0[g] = acc1[g] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      const uint16_t* vs = vb + static_cast<int64_t>(keys[i]) * D + d;
+      const __m512 v0 = peagle::load16_bf16(vs), v1 = peagle::load16_bf16(vs + 16);
+#pragma GCC unroll 8
+      for (int g = 0; g < NH; ++g) {
+        const __m512 w = _mm512_set1_ps(e[i * kLanes + lane0 + g]);
+        acc0[g] = _mm512_fmadd_ps(w, v0, acc0[g]);
+        acc1[g] = _mm512_fmadd_ps(w, v1, acc1[g]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < NH; ++g) {
+      const __m512 lv = _mm512_set1_ps(l[lane0 + g]);
+      peagle::store16_bf16(out[lane0 + g] + d, _mm512_div_ps(acc0[g], lv));
+      peagle::store16_bf16(out[lane0 + g] + d + 16, _mm512_div_ps(acc1[g], lv));
+    }
+  }
+}
+
+template <int N>
+PEAGLE_WIDE void attend_lanes_wide(const Problem& p, int64_t b, int64_t kvh, int64_t first, float* e, int32_t* keys) {
+  const int64_t D = p.D;
+  Lanes ln;
+  setup_lanes<N>(p, b, kvh, first, ln);
+  const uint16_t* kb = p.k + (b * p.KVH + kvh) * p.S * D;
+  const Visibility visible(ln);
+  int64_t n = 0;
+  __m256 m = _mm256_set1_ps(-INFINITY);
+  for (int64_t s = 0; s <= ln.last; ++s) {
+    const __m256 seen = visible.at(s);
+    if (_mm256_movemask_ps(seen) == 0) continue;
+    record_key(s, key_scores_dp<N>(ln.q, kb + s * D, D), seen, p.scale, e, keys, n, m);
+  }
+  alignas(32) float l[kLanes];
+  softmax_weights(e, n, m, N, l);
+  const uint16_t* vb = p.v + (b * p.KVH + kvh) * p.S * D;
+  int lane0 = 0;
+  for (; lane0 + 6 <= N; lane0 += 6) weigh_values_wide<6>(e, keys, n, vb, D, lane0, l, ln.out);
+  switch (N - lane0) {
+    case 5: weigh_values_wide<5>(e, keys, n, vb, D, lane0, l, ln.out); break;
+    case 4: weigh_values_wide<4>(e, keys, n, vb, D, lane0, l, ln.out); break;
+    case 3: weigh_values_wide<3>(e, keys, n, vb, D, lane0, l, ln.out); break;
+    case 2: weigh_values_wide<2>(e, keys, n, vb, D, lane0, l, ln.out); break;
+    case 1: weigh_values_wide<1>(e, keys, n, vb, D, lane0, l, ln.out); break;
+    default: break;
+  }
+}
+
+// Whether this host runs attend_lanes_wide (head dims in multiples of 32 only). Like the matmul,
+// PEAGLE_CPU_KERNEL_NO_DPBF16=1 or PEAGLE_CPU_KERNEL_AVX2=1 keeps the 8-lane loop.
+bool wide_lanes() {
+  static const bool wide = std::getenv("PEAGLE_CPU_KERNEL_NO_DPBF16") == nullptr &&
+                           std::getenv("PEAGLE_CPU_KERNEL_AVX2") == nullptr && __builtin_cpu_supports("avx512f") &&
+                           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16");
+  return wide;
 }
 
 // Item r of the call: sequence b, kv head kvh, lane set j of its T * G query heads.
 void attend_item(const Problem& p, int64_t r, float* e, int32_t* keys) {
   const int64_t heads = p.T * (p.H / p.KVH), j = r % p.tiles, kvh = (r / p.tiles) % p.KVH, b = r / (p.tiles * p.KVH);
   const int64_t first = j * heads / p.tiles, n = (j + 1) * heads / p.tiles - first;
+  const bool wide = p.D % 32 == 0 && wide_lanes();
+#define PEAGLE_ATTEND(k) return wide ? attend_lanes_wide<k>(p, b, kvh, first, e, keys) : attend_lanes<k>(p, b, kvh, first, e, keys)
   switch (n) {
-    case 1: return attend_lanes<1>(p, b, kvh, first, e, keys);
-    case 2: return attend_lanes<2>(p, b, kvh, first, e, keys);
-    case 3: return attend_lanes<3>(p, b, kvh, first, e, keys);
-    case 4: return attend_lanes<4>(p, b, kvh, first, e, keys);
-    case 5: return attend_lanes<5>(p, b, kvh, first, e, keys);
-    case 6: return attend_lanes<6>(p, b, kvh, first, e, keys);
-    case 7: return attend_lanes<7>(p, b, kvh, first, e, keys);
-    case 8: return attend_lanes<8>(p, b, kvh, first, e, keys);
+    case 1: PEAGLE_ATTEND(1);
+    case 2: PEAGLE_ATTEND(2);
+    case 3: PEAGLE_ATTEND(3);
+    case 4: PEAGLE_ATTEND(4);
+    case 5: PEAGLE_ATTEND(5);
+    case 6: PEAGLE_ATTEND(6);
+    case 7: PEAGLE_ATTEND(7);
+    case 8: PEAGLE_ATTEND(8);
     default: return;
   }
+#undef PEAGLE_ATTEND
 }
 
 // One call's work: spans of items, shared out as spans.h says.

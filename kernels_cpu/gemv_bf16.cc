@@ -41,16 +41,10 @@ constexpr int64_t kPairStride = 2 * kTile;  // bf16 values per (tile, input pair
 // then the next tile, which follows it in memory) arriving while the arithmetic runs.
 // Prefetching past the end of the weights is harmless (a prefetch never faults).
 constexpr int64_t kPrefetchPairs = 64;
-static const bool kNta = std::getenv("PEAGLE_CPU_KERNEL_NTA") != nullptr;
 static inline void prefetch_ahead(const uint16_t* wj) {
   const char* p = reinterpret_cast<const char*>(wj + kPrefetchPairs * kPairStride);
-  if (kNta) {
-    _mm_prefetch(p, _MM_HINT_NTA);
-    _mm_prefetch(p + 64, _MM_HINT_NTA);
-  } else {
-    _mm_prefetch(p, _MM_HINT_T0);
-    _mm_prefetch(p + 64, _MM_HINT_T0);
-  }
+  _mm_prefetch(p, _MM_HINT_T0);
+  _mm_prefetch(p + 64, _MM_HINT_T0);
 }
 
 // ---- AVX2 + FMA ------------------------------------------------------------------------------

@@ -87,6 +87,12 @@ PEAGLE_VMATH512 inline __m512 load16_bf16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
+// 16 float32 -> 16 bf16, rounded as store8_bf16.
+PEAGLE_VMATH512 inline void store16_bf16(uint16_t* p, __m512 f) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round16_bf16(f)), 16)));
+}
+
 PEAGLE_VMATH512 inline __m512 silu_mul16(__m512 g, __m512 u) {
   const __m512 one = _mm512_set1_ps(1.0f);
   const __m512 neg_abs = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(g), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
@@ -99,7 +105,7 @@ PEAGLE_VMATH512 inline __m512 silu_mul16(__m512 g, __m512 u) {
 // 16 values at a time; the result is rounded already, so its high halves are the bf16 bits.
 PEAGLE_VMATH512 inline void silu_mul_bf16_512(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t n) {
   for (int64_t i = 0; i + 16 <= n; i += 16) {
-    const __m512 h = silu_mul16(load16_bf16(gate + i), load16_bf16(up + i));
+    const __m512 h = silu_mul16(load16_bf16(gate + i), load16_bf16(up + i));  // rounded already
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
                         _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(h), 16)));
   }

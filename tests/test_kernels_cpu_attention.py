@@ -92,6 +92,43 @@ def test_padding_rows_that_see_nothing_give_zeros():
     assert np.all(got[1, 2] == 0) and np.all(np.isfinite(got))
 
 
+_EIGHT_LANE_SCRIPT = """
+import sys
+import numpy as np, jax.numpy as jnp
+sys.path.insert(0, sys.argv[1])
+import kernels_cpu
+from test_kernels_cpu_attention import _inputs, _f32
+from kernels_pallas.cache_attention import cache_attention_reference
+from peagle_jax.generate.tree import second_chain_mismatches
+assert kernels_cpu.available()
+q, k, v, pos = _inputs(0, 2, 5, 9, 3, 200, 64)
+err = np.abs(np.asarray(kernels_cpu.cache_attention(q, k, v, pos), np.float32)
+             - np.asarray(cache_attention_reference(*_f32(q, k, v), pos))).max()
+full = np.asarray(kernels_cpu.cache_attention(q, k, v, pos))
+alone = np.asarray(kernels_cpu.cache_attention(q[1:2, 2:3], k[1:2], v[1:2], pos[1:2, 2:3]))
+print(float(err), np.array_equal(full[1:2, 2:3], alone), second_chain_mismatches(7, batch=16, implementation="cpu"))
+"""
+
+
+@needs_kernel
+def test_the_eight_lane_loop_keeps_the_invariances():
+    """Where the CPU has AVX512-BF16, head dims in multiples of 32 run the 16-pair dot-product
+    loop (the tests above); PEAGLE_CPU_KERNEL_NO_DPBF16=1 keeps the 8-lane FMA loop every AVX2
+    host runs. It too matches the reference and gives a row the same bits alone, in a verify
+    and as a second chain."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PEAGLE_CPU_KERNEL_")}
+    env["PEAGLE_CPU_KERNEL_NO_DPBF16"] = "1"
+    done = subprocess.run([sys.executable, "-c", _EIGHT_LANE_SCRIPT, str(Path(__file__).parent)], check=True,
+                          env=env, timeout=300, capture_output=True, text=True)
+    err, same, mismatches = done.stdout.split()[-3:]
+    assert float(err) < 2e-2 and same == "True" and mismatches == "0", done.stdout
+
+
 @needs_kernel
 def test_dispatch_and_fallbacks(caplog):
     """"cpu" runs the kernel for bf16; float32 inputs, FP8 caches and other backends keep the
