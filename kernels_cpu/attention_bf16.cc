@@ -295,20 +295,12 @@ PEAGLE_WIDE void attend_lanes_wide(const Problem& p, int64_t b, int64_t kvh, int
   }
 }
 
-// Whether this host runs attend_lanes_wide (head dims in multiples of 32 only). Like the matmul,
-// PEAGLE_CPU_KERNEL_NO_DPBF16=1 or PEAGLE_CPU_KERNEL_AVX2=1 keeps the 8-lane loop.
-bool wide_lanes() {
-  static const bool wide = std::getenv("PEAGLE_CPU_KERNEL_NO_DPBF16") == nullptr &&
-                           std::getenv("PEAGLE_CPU_KERNEL_AVX2") == nullptr && __builtin_cpu_supports("avx512f") &&
-                           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16");
-  return wide;
-}
-
 // Item r of the call: sequence b, kv head kvh, lane set j of its T * G query heads.
 void attend_item(const Problem& p, int64_t r, float* e, int32_t* keys) {
   const int64_t heads = p.T * (p.H / p.KVH), j = r % p.tiles, kvh = (r / p.tiles) % p.KVH, b = r / (p.tiles * p.KVH);
   const int64_t first = j * heads / p.tiles, n = (j + 1) * heads / p.tiles - first;
-  const bool wide = p.D % 32 == 0 && wide_lanes();
+  // attend_lanes_wide where the dot products may run (bf16.h) and head dims are multiples of 32
+  const bool wide = p.D % 32 == 0 && peagle::dot_products_allowed();
 #define PEAGLE_ATTEND(k) return wide ? attend_lanes_wide<k>(p, b, kvh, first, e, keys) : attend_lanes<k>(p, b, kvh, first, e, keys)
   switch (n) {
     case 1: PEAGLE_ATTEND(1);

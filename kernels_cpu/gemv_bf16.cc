@@ -442,8 +442,7 @@ static ffi::Error Gemv(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::Bu
         std::memcpy(&job->x[m * width + i], &u, 4);
       }
   }
-  // Small weights (a few tiles) stay on the calling thread: a hand-off costs more than it saves.
-  const int64_t workers = job->tiles < 8 ? 1 : std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), job->tiles));
+  const int64_t workers = peagle::tile_workers(pool, job->tiles);
   job->spans.Split(job->tiles, workers);
   peagle::RunSpans(pool, job, workers);
   return ffi::Error::Success();

@@ -163,12 +163,6 @@ void rows_fma(int64_t R, const float* x, int64_t J, const uint8_t* q, float* acc
   return rows_fma<2>(x, J, q, acc);
 }
 
-bool dot_products() {
-  static const bool dp = std::getenv("PEAGLE_CPU_KERNEL_NO_DPBF16") == nullptr &&
-                         std::getenv("PEAGLE_CPU_KERNEL_AVX2") == nullptr && __builtin_cpu_supports("avx512bf16") &&
-                         __builtin_cpu_supports("avx512bw");
-  return dp;
-}
 
 extern "C" int peagle_gemv_loop_set();  // gemv_bf16.cc: 2 where the bf16 matmul runs on AMX tiles
 
@@ -177,7 +171,7 @@ enum class Loop { kFma, kDp, kAmx };
 // The loop for a call with J input pairs: AMX tiles where the bf16 matmul uses them (and J fits
 // the tiles), else the dot products where the CPU has AVX512-BF16, else the FMAs.
 Loop loop_for(int64_t J) {
-  if (!dot_products()) return Loop::kFma;
+  if (!peagle::dot_products_allowed()) return Loop::kFma;
   return peagle_gemv_loop_set() == 2 && J % kAmxPairs == 0 ? Loop::kAmx : Loop::kDp;
 }
 
@@ -260,7 +254,7 @@ ffi::Error GemvQ7(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::Buffer<
     }
     job->bias[m] = (pairs ? kBiasDp : kBiasFma) * sum;
   }
-  const int64_t workers = job->tiles < 8 ? 1 : std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), job->tiles));
+  const int64_t workers = peagle::tile_workers(pool, job->tiles);
   job->spans.Split(job->tiles, workers);
   peagle::RunSpans(pool, job, workers);
   return ffi::Error::Success();

@@ -41,6 +41,12 @@ struct Spans {
   }
 };
 
+// Threads for a matmul call over `tiles` output tiles: small weights (a few tiles) stay on the
+// calling thread, since a hand-off costs more than it saves.
+inline int64_t tile_workers(xla::ffi::ThreadPool& pool, int64_t tiles) {
+  return tiles < 8 ? 1 : std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), tiles));
+}
+
 // Runs job->Work() (which calls job->spans.Claim) on the calling thread and workers - 1 pool
 // tasks, and returns once every span is done.
 template <class Job>
