@@ -111,18 +111,20 @@ print(float(err), np.array_equal(full[1:2, 2:3], alone), second_chain_mismatches
 
 
 @needs_kernel
-def test_the_eight_lane_loop_keeps_the_invariances():
-    """Where the CPU has AVX512-BF16, head dims in multiples of 32 run the 16-pair dot-product
-    loop (the tests above); PEAGLE_CPU_KERNEL_NO_DPBF16=1 keeps the 8-lane FMA loop every AVX2
-    host runs. It too matches the reference and gives a row the same bits alone, in a verify
-    and as a second chain."""
+@pytest.mark.parametrize("switch", ["PEAGLE_CPU_KERNEL_NO_DPBF16", "PEAGLE_CPU_KERNEL_NO_AMX"])
+def test_the_other_loops_keep_the_invariances(switch):
+    """The tests above run the loop this host picks: AMX score tiles where the matmuls use AMX,
+    else 16-pair dot products where the CPU has AVX512-BF16 (head dims in multiples of 32), else
+    the 8-lane FMA loop every AVX2 host runs. PEAGLE_CPU_KERNEL_NO_AMX=1 picks the dot products
+    on an AMX host, PEAGLE_CPU_KERNEL_NO_DPBF16=1 the 8-lane loop. Each also matches the
+    reference and gives a row the same bits alone, in a verify and as a second chain."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("PEAGLE_CPU_KERNEL_")}
-    env["PEAGLE_CPU_KERNEL_NO_DPBF16"] = "1"
+    env[switch] = "1"
     done = subprocess.run([sys.executable, "-c", _EIGHT_LANE_SCRIPT, str(Path(__file__).parent)], check=True,
                           env=env, timeout=300, capture_output=True, text=True)
     err, same, mismatches = done.stdout.split()[-3:]
