@@ -170,8 +170,7 @@ def _drafters(args, llm) -> tuple[dict[str, Any], dict[str, str], dict[str, str]
             continue
         if path:
             for weights in args.draft_weights:
-                llm.options["draft_weights"] = weights  # load_head quantizes as load(draft_weights=...) would
-                d = llm.load_head(path)
+                d = llm.load_head(path, draft_weights=weights)
                 if method == "peagle" and not d.config.parallel_drafting:
                     raise SystemExit(f"--peagle-head {path} has no parallel drafting (mask_token_id/mask_hidden)")
                 row = method if len(args.draft_weights) == 1 else f"{method}{WEIGHTS}{weights}"

@@ -306,6 +306,24 @@ PEAGLE_WIDE PEAGLE_INLINE void weigh_values_wide(const float* e, const int32_t* 
   }
 }
 
+// All `lanes` lanes of an item (e's rows `Stride` floats apart), 6 at a time: 12 accumulators
+// plus the values and a broadcast fit the 32 registers.
+template <int Stride>
+PEAGLE_WIDE PEAGLE_INLINE void weigh_values_wide_lanes(const float* e, const int32_t* keys, int64_t n,
+                                                       const uint16_t* vb, int64_t D, int lanes, const float* l,
+                                                       uint16_t* const* out) {
+  int lane0 = 0;
+  for (; lane0 + 6 <= lanes; lane0 += 6) weigh_values_wide<6, Stride>(e, keys, n, vb, D, lane0, l, out);
+  switch (lanes - lane0) {
+    case 5: weigh_values_wide<5, Stride>(e, keys, n, vb, D, lane0, l, out); break;
+    case 4: weigh_values_wide<4, Stride>(e, keys, n, vb, D, lane0, l, out); break;
+    case 3: weigh_values_wide<3, Stride>(e, keys, n, vb, D, lane0, l, out); break;
+    case 2: weigh_values_wide<2, Stride>(e, keys, n, vb, D, lane0, l, out); break;
+    case 1: weigh_values_wide<1, Stride>(e, keys, n, vb, D, lane0, l, out); break;
+    default: break;
+  }
+}
+
 template <int N>
 PEAGLE_WIDE void attend_lanes_wide(const Problem& p, int64_t b, int64_t kvh, int64_t first, float* e, int32_t* keys) {
   const int64_t D = p.D;
@@ -325,16 +343,7 @@ PEAGLE_WIDE void attend_lanes_wide(const Problem& p, int64_t b, int64_t kvh, int
   }
   alignas(32) float l[kLanes];
   softmax_weights(e, n, m, N, l);
-  int lane0 = 0;
-  for (; lane0 + 6 <= N; lane0 += 6) weigh_values_wide<6>(e, keys, n, vb, D, lane0, l, ln.out);
-  switch (N - lane0) {
-    case 5: weigh_values_wide<5>(e, keys, n, vb, D, lane0, l, ln.out); break;
-    case 4: weigh_values_wide<4>(e, keys, n, vb, D, lane0, l, ln.out); break;
-    case 3: weigh_values_wide<3>(e, keys, n, vb, D, lane0, l, ln.out); break;
-    case 2: weigh_values_wide<2>(e, keys, n, vb, D, lane0, l, ln.out); break;
-    case 1: weigh_values_wide<1>(e, keys, n, vb, D, lane0, l, ln.out); break;
-    default: break;
-  }
+  weigh_values_wide_lanes<kLanes>(e, keys, n, vb, D, N, l, ln.out);
 }
 
 // ---- AMX: 16 heads an item, the scores of 16 keys x 16 heads in tile dot products ------------------
@@ -438,16 +447,7 @@ PEAGLE_AMX_ATTN void attend_lanes_amx(const Problem& p, int64_t b, int64_t kvh, 
   _mm512_store_ps(l, lsum);
   for (int g = 0; g < N; ++g)
     if (l[g] == 0.0f) l[g] = INFINITY;  // a lane that sees nothing (padding): 0 / inf = zeros
-  int lane0 = 0;
-  for (; lane0 + 6 <= N; lane0 += 6) weigh_values_wide<6, kLanesWide>(e, keys, n, vb, D, lane0, l, ln.out);
-  switch (N - lane0) {
-    case 5: weigh_values_wide<5, kLanesWide>(e, keys, n, vb, D, lane0, l, ln.out); break;
-    case 4: weigh_values_wide<4, kLanesWide>(e, keys, n, vb, D, lane0, l, ln.out); break;
-    case 3: weigh_values_wide<3, kLanesWide>(e, keys, n, vb, D, lane0, l, ln.out); break;
-    case 2: weigh_values_wide<2, kLanesWide>(e, keys, n, vb, D, lane0, l, ln.out); break;
-    case 1: weigh_values_wide<1, kLanesWide>(e, keys, n, vb, D, lane0, l, ln.out); break;
-    default: break;
-  }
+  weigh_values_wide_lanes<kLanesWide>(e, keys, n, vb, D, N, l, ln.out);
 }
 
 // Item r of the call: sequence b, kv head kvh, lane set j of its T * G query heads.

@@ -98,6 +98,8 @@ class LoadedModel:
     drafter_path: str | None
     mesh: Any = None
     options: dict[str, Any] = field(default_factory=dict)  # dtype, attention, kv_cache_dtype
+    #: load(draft_weights=...) as asked; options["draft_weights"] is what the last head got
+    draft_weights_request: str = "auto"
 
     @classmethod
     def from_target(cls, target, tokenizer=None, *, eos_ids: Sequence[int] = (), drafter=None, method: str = "none",
@@ -106,9 +108,10 @@ class LoadedModel:
         return cls(target=target, tokenizer=tokenizer, eos_ids=list(eos_ids), drafter=drafter, method=method,
                    model_path=Path(name), model_name=name, drafter_path=None, options=dict(dtype=dtype))
 
-    def load_head(self, spec: str):
+    def load_head(self, spec: str, draft_weights: str | None = None):
         """Another draft head for this target, with the same dtype, kernel options and mesh
-        (benchmarks comparing heads load the target once)."""
+        (benchmarks comparing heads load the target once). draft_weights: as `load`'s; None
+        keeps what `load` was asked for (not what an earlier head resolved it to)."""
         from peagle_jax.checkpoints.drafter_io import load_drafter
         from peagle_jax.models.options import choose_matmul, configure_inference, draft_weights_for
         from peagle_jax.sharding import shard_module
@@ -116,7 +119,7 @@ class LoadedModel:
         head = load_drafter(spec, target=self.target, dtype=self.options.get("dtype", "bfloat16"))
         configure_inference(head, attention=self.options.get("attention"),
                             kv_cache_dtype=self.options.get("kv_cache_dtype"))
-        requested = self.options.get("draft_weights", "auto")
+        requested = self.draft_weights_request if draft_weights is None else draft_weights
         weights = draft_weights_for(requested, self.options.get("matmul", "xla"))
         if self.options.get("matmul") == "cpu_kernel":
             if choose_matmul(head, "auto", "q7" if weights == "q7" else "bf16") != "cpu_kernel":
@@ -291,7 +294,8 @@ def load(
     llm = LoadedModel(target=target, tokenizer=tokenizer, eos_ids=eos_token_ids(tokenizer, model_path),
                       drafter=None, method="none", model_path=model_path, model_name=name, drafter_path=head_spec,
                       options=dict(dtype=dtype, attention=attention, kv_cache_dtype=kv_cache_dtype,
-                                   matmul=matmul_path, draft_weights=draft_weights))
+                                   matmul=matmul_path, draft_weights=draft_weights),
+                      draft_weights_request=draft_weights)
     llm.place_on(device_mesh)
     if method == "ngram":
         from peagle_jax.drafters.ngram import NgramProposer

@@ -306,6 +306,12 @@ def test_load_gives_the_head_the_weights_asked_for():
         llm = load(None, draft_weights=requested)
         _assert_head_weights(llm, requested)
         assert {v[...].dtype.name for _, v in nnx.iter_graph(llm.target) if isinstance(v, PackedKernel)} == {"bfloat16"}
+    # a later head follows its own request, or load's, never what an earlier head resolved to
+    llm = load(None, draft_weights="auto")
+    llm.drafter = llm.load_head(llm.drafter_path, draft_weights="native")
+    _assert_head_weights(llm, "native")
+    llm.drafter = llm.load_head(llm.drafter_path)
+    _assert_head_weights(llm, "auto")
 
 
 def test_load_gives_the_head_its_draft_cutoff_or_refuses_it():
