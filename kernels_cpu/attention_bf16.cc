@@ -51,6 +51,7 @@ using peagle::load8_bf16;
 
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kLanes = 8;  // query heads per item: one float lane each
+constexpr int64_t kLanesWide = 16;  // query heads per item on AMX tiles (attend_lanes_amx)
 
 struct Problem {
   int64_t B, T, H, KVH, S, D;
@@ -60,7 +61,9 @@ struct Problem {
   uint16_t* out;  // bf16, rounded from the float32 result
   int64_t tiles;  // items per (b, kv head): its T * G query heads split into this many lane sets
   bool amx;       // scores on AMX tiles (attend_lanes_amx)
-  int lanes;      // query heads per item: 16 on AMX tiles (attend_lanes_amx), else 8 (one float lane each)
+
+  // Query heads per item: 16 on AMX tiles (attend_lanes_amx), else 8 (one float lane each).
+  int64_t lanes() const { return amx ? kLanesWide : kLanes; }
 };
 
 // Eight score vectors (one per query head, 8 partial sums each) -> one vector of the eight
@@ -360,7 +363,6 @@ PEAGLE_WIDE void attend_lanes_wide(const Problem& p, int64_t b, int64_t kvh, int
 // differ from a dot-product host's. Interleaved on real round programs against the 8-head items
 // with AMX scores: a K=7 round 0.58 ms cheaper, K=3 the same.
 #define PEAGLE_AMX_ATTN __attribute__((target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")))
-constexpr int kLanesWide = 16;
 
 struct Visibility16 {
   __m512i pos, lo, hi;
@@ -494,8 +496,8 @@ struct Job {
     // read is written first).
     thread_local std::vector<float> e;
     thread_local std::vector<int32_t> keys;
-    if (static_cast<int64_t>(keys.size()) < p.S || static_cast<int64_t>(e.size()) < p.lanes * p.S) {
-      e.resize(p.lanes * p.S);
+    if (static_cast<int64_t>(keys.size()) < p.S || static_cast<int64_t>(e.size()) < p.lanes() * p.S) {
+      e.resize(p.lanes() * p.S);
       keys.resize(p.S);
     }
     if (p.amx) amx_configure_scores();
@@ -525,11 +527,10 @@ static ffi::Error CacheAttentionBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16
                    reinterpret_cast<const uint16_t*>(q.typed_data()), reinterpret_cast<const uint16_t*>(k.typed_data()),
                    reinterpret_cast<const uint16_t*>(v.typed_data()), pos.typed_data(), lo.typed_data(),
                    hi.typed_data(), reinterpret_cast<uint16_t*>(out->typed_data()), 1,
-                   D % 32 == 0 && peagle_gemv_loop_set() == 2, kLanes};
-  if (job->p.amx) job->p.lanes = kLanesWide;
+                   D % 32 == 0 && peagle_gemv_loop_set() == 2};
   // As few lane sets as hold the heads: measured, splitting them further only repeats the key
   // loads (at 1 row, 3 sets of 1 head ran 40% slower than 1 set of 3).
-  const int64_t heads = T * (H / KVH), tiles = (heads + job->p.lanes - 1) / job->p.lanes;
+  const int64_t heads = T * (H / KVH), tiles = (heads + job->p.lanes() - 1) / job->p.lanes();
   job->p.tiles = tiles;
   const int64_t items = B * KVH * tiles;
   if (items == 0) return ffi::Error::Success();

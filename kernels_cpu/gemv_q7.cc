@@ -262,18 +262,17 @@ ffi::Error GemvQ7(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::Buffer<
   if (pairs) job->xp.resize(M * J);
   else job->x.assign(M * 2 * J, 0.0f);
   for (int64_t m = 0; m < M; ++m) {
-    const float sum = row_sum(xs + m * I, I);
-    if (!pairs)
-      for (int64_t i = 0; i < I; ++i) {
-        const uint32_t u = uint32_t(xs[m * I + i]) << 16;
-        std::memcpy(&job->x[m * 2 * J + i], &u, 4);
-      }
     if (pairs) {  // a row's bf16 values in order are its pairs already (x[2j] in the low half)
       uint32_t* row = job->xp.data() + m * J;
       std::memcpy(row, xs + m * I, I * sizeof(uint16_t));
       std::memset(reinterpret_cast<uint16_t*>(row) + I, 0, (2 * J - I) * sizeof(uint16_t));
+    } else {
+      for (int64_t i = 0; i < I; ++i) {
+        const uint32_t u = uint32_t(xs[m * I + i]) << 16;
+        std::memcpy(&job->x[m * 2 * J + i], &u, 4);
+      }
     }
-    job->bias[m] = (pairs ? kBiasDp : kBiasFma) * sum;
+    job->bias[m] = (pairs ? kBiasDp : kBiasFma) * row_sum(xs + m * I, I);
   }
   const int64_t workers = peagle::tile_workers(pool, job->tiles);
   job->spans.Split(job->tiles, workers);

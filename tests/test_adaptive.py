@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections import deque
 
 import pytest
 from test_serve import MAX_LEN, _tiny_models
@@ -104,10 +103,10 @@ def test_adaptive_engine_output_equals_plain_decoding_and_reports_its_choices():
     # policy's use of real times is covered by the synthetic-cost tests above.
     policy = engine._policy
     policy.samples.clear()
+    measured = policy.observe_round
 
     def charge(rows, speculate, greedy, seconds):
-        policy.samples.setdefault((rows, speculate, greedy), deque(maxlen=policy.window)).append(
-            0.015 if speculate else 0.010)
+        measured(rows, speculate, greedy, 0.015 if speculate else 0.010)
 
     for b, s, g in kinds:
         charge(b, s, g, 0.0)

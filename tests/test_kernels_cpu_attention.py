@@ -92,7 +92,7 @@ def test_padding_rows_that_see_nothing_give_zeros():
     assert np.all(got[1, 2] == 0) and np.all(np.isfinite(got))
 
 
-_EIGHT_LANE_SCRIPT = """
+_OTHER_LOOP_SCRIPT = """
 import sys
 import numpy as np, jax.numpy as jnp
 sys.path.insert(0, sys.argv[1])
@@ -125,7 +125,7 @@ def test_the_other_loops_keep_the_invariances(switch):
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("PEAGLE_CPU_KERNEL_")}
     env[switch] = "1"
-    done = subprocess.run([sys.executable, "-c", _EIGHT_LANE_SCRIPT, str(Path(__file__).parent)], check=True,
+    done = subprocess.run([sys.executable, "-c", _OTHER_LOOP_SCRIPT, str(Path(__file__).parent)], check=True,
                           env=env, timeout=300, capture_output=True, text=True)
     err, same, mismatches = done.stdout.split()[-3:]
     assert float(err) < 2e-2 and same == "True" and mismatches == "0", done.stdout
