@@ -1,7 +1,7 @@
 """Row-invariant CPU kernels as FFI custom calls: a bf16 matmul for few rows (AMX tiles where
 the CPU has them, else AVX512-BF16 pair dot products or FMAs in AVX-512F / AVX2, which all give
-the same bits), the same matmul on 7-bit weights stored in bytes (`pack_q7`, for draft heads:
-half the bytes to stream) and a bf16 cache attention.
+the same bits), the same matmul on 7-bit weights stored in bytes or 4-bit ones in nibbles (`pack_q7`, `pack_q4`,
+for draft heads: a half or a quarter of the bytes to stream) and a bf16 cache attention.
 
 XLA:CPU's bf16 matmuls over 1-16 rows stream the weights at about half the machine's read
 bandwidth (`benchmarks/decode_roofline.py`), and a small model's decode step is 90% matmuls.
@@ -17,7 +17,7 @@ so a decode step, a verify and a tree verify's second chain give a row the same 
 `argmax(logits)` is a row argmax over float32 logits (`argmax_f32.cc`): the greedy token of
 every decode step and verify row, a few microseconds where XLA:CPU took ~110 us a 49k row.
 
-The library is compiled from `gemv_bf16.cc`, `gemv_q7.cc`, `attention_bf16.cc` and
+The library is compiled from `gemv_bf16.cc`, `gemv_quant.cc`, `attention_bf16.cc` and
 `argmax_f32.cc` by `build()`
 (scripts/setup.sh runs it, and `available()` does when it is missing). Without a compiler, or on a CPU without AVX2/FMA,
 `available()` is False, `unavailable_reason()` says why, and callers keep XLA's matmul.
@@ -39,7 +39,7 @@ import numpy as np
 from jaxtyping import Array, BFloat16, Float, Int, UInt8
 
 TILE = 32  # output columns per packed tile (4 x 8 float32 lanes)
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv_bf16.cc", "gemv_q7.cc", "attention_bf16.cc",
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv_bf16.cc", "gemv_quant.cc", "attention_bf16.cc",
                                                        "argmax_f32.cc"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("spans.h", "bf16.h", "amx.h", "vmath.h"))  # a change rebuilds too
 # One library per jaxlib: the FFI's API version is compiled in, and a library built against
@@ -50,9 +50,13 @@ TARGET_BF16_OUT = "peagle_gemv_bf16_to_bf16"  # the same sums, rounded to bf16 i
 ATTENTION_TARGET = "peagle_cache_attention_bf16"
 Q7_TARGET = "peagle_gemv_q7"  # weight-only 7-bit weights in bytes (`pack_q7`), float32 sums
 Q7_BF16_OUT = "peagle_gemv_q7_to_bf16"
+Q4_TARGET = "peagle_gemv_q4"  # weight-only 4-bit weights in nibbles (`pack_q4`), float32 sums
+Q4_BF16_OUT = "peagle_gemv_q4_to_bf16"
 GLU_TARGET = "peagle_gemv_glu_bf16_to_bf16"  # SiLU(gate) * up of [M, 2I] rows, then the matmul
 ARGMAX_TARGET = "peagle_argmax_f32"
 Q7_SCALE_ROWS = 2  # a packed 7-bit tile starts with its 32 float32 column scales: 2 rows of 64 bytes
+Q4_SCALE_ROWS = 4  # a packed 4-bit tile's rows are 32 bytes (one input pair): its scales take 4
+Q4_CLIPS = tuple(1.0 - 0.05 * k for k in range(11))  # pack_q4's candidate clips of max |w|, 1 .. 0.5
 
 
 @functools.cache
@@ -118,7 +122,8 @@ def unavailable_reason() -> str | None:
     try:
         for name, fn in ((TARGET_NAME, lib.peagle_gemv_bf16), (TARGET_BF16_OUT, lib.peagle_gemv_bf16_to_bf16),
                          (ATTENTION_TARGET, lib.peagle_cache_attention_bf16), (Q7_TARGET, lib.peagle_gemv_q7),
-                         (Q7_BF16_OUT, lib.peagle_gemv_q7_to_bf16), (ARGMAX_TARGET, lib.peagle_argmax_f32),
+                         (Q7_BF16_OUT, lib.peagle_gemv_q7_to_bf16), (Q4_TARGET, lib.peagle_gemv_q4),
+                         (Q4_BF16_OUT, lib.peagle_gemv_q4_to_bf16), (ARGMAX_TARGET, lib.peagle_argmax_f32),
                          (GLU_TARGET, lib.peagle_gemv_glu_bf16_to_bf16)):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="cpu")
     except jax.errors.JaxRuntimeError as e:
@@ -173,9 +178,52 @@ def unpack_q7(packed: UInt8[Array, "T S 64"], in_features: int) -> Float[Array, 
     return w[:in_features]
 
 
-def matmul(x: BFloat16[Array, "*lead I"], packed: BFloat16[Array, "T J 64"] | UInt8[Array, "T S 64"],
+def pack_q4(w: Float[Array, "I O"]) -> UInt8[Array, "T S 32"]:
+    """[I, O] -> [O/32, 4 + J, 32] uint8, J = ceil(I/2): weight-only 4-bit quantization per output
+    column (symmetric, w4 in [-7, 7] stored as the nibble w4 + 8). Each column's scale is the
+    clip of max |w| (`Q4_CLIPS`) with the least squared error: at 4 bits a column's largest
+    weight would otherwise set a step too coarse for all the others (on the shipped P-EAGLE
+    head, absmax scales cost 3-4% of the acceptance length, the searched ones 1.5%).
+    Per 32-column tile, the float32 scales (their bytes, 4 rows), then per input pair j 32 bytes:
+    byte 2c + e holds input 2j + e of column c in its low nibble and of column c + 16 in its high
+    one (gemv_quant.cc). A quarter of `pack`'s bytes, for a draft head's matmuls (its drafts are
+    verified)."""
+    i, o = w.shape
+    if o % TILE:
+        raise ValueError(f"kernels_cpu.pack_q4: the output width {o} is not a multiple of {TILE}")
+    w = jnp.asarray(w, jnp.float32)
+    amax = jnp.maximum(jnp.max(jnp.abs(w), axis=0), 1e-30)
+    best_err = best_scale = None
+    for clip in Q4_CLIPS:
+        scale = amax * clip / 7.0
+        err = jnp.sum((jnp.clip(jnp.round(w / scale), -7, 7) * scale - w) ** 2, axis=0)
+        better = err < best_err if best_err is not None else jnp.ones_like(err, bool)
+        best_err = err if best_err is None else jnp.where(better, err, best_err)
+        best_scale = scale if best_scale is None else jnp.where(better, scale, best_scale)
+    q = (jnp.clip(jnp.round(w / best_scale), -7, 7) + 8).astype(jnp.uint8)
+    pairs = (i + 1) // 2
+    q = jnp.concatenate([q, jnp.full((2 * pairs - i, o), 8, jnp.uint8)])  # a pad row weighs 0
+    q = q.reshape(pairs, 2, o // TILE, 2, TILE // 2).transpose(2, 0, 4, 1, 3)  # [T, J, c, e, half]
+    q = (q[..., 0] | (q[..., 1] << 4)).reshape(o // TILE, pairs, TILE)
+    scale_bytes = jax.lax.bitcast_convert_type(best_scale, jnp.uint8).reshape(o // TILE, Q4_SCALE_ROWS, TILE)
+    return jnp.concatenate([scale_bytes, q], axis=1)
+
+
+def unpack_q4(packed: UInt8[Array, "T S 32"], in_features: int) -> Float[Array, "I O"]:
+    """The float32 weights [in_features, O] that `pack_q4` stands for (scale times w4)."""
+    t = packed.shape[0]
+    scale = jax.lax.bitcast_convert_type(packed[:, :Q4_SCALE_ROWS].reshape(t, TILE, 4), jnp.float32)
+    b = packed[:, Q4_SCALE_ROWS:].reshape(t, -1, TILE // 2, 2)  # [T, J, c, e]
+    q = jnp.stack([b & 0xF, b >> 4], axis=-1).astype(jnp.float32) - 8.0  # [T, J, c, e, half]
+    q = q.transpose(0, 1, 4, 2, 3).reshape(t, -1, TILE, 2)  # [T, J, 32, e]
+    w = (q * scale[:, None, :, None]).transpose(1, 3, 0, 2).reshape(-1, t * TILE)
+    return w[:in_features]
+
+
+def matmul(x: BFloat16[Array, "*lead I"], packed: BFloat16[Array, "T J 64"] | UInt8[Array, "T S _"],
            out_dtype=jnp.float32, *, glu: bool = False) -> Float[Array, "*lead O"]:
-    """x @ w summed in float32, w given as `pack(w)` or `pack_q7(w)`; any number of leading
+    """x @ w summed in float32, w given as `pack(w)`, `pack_q7(w)` or `pack_q4(w)` (bytes 64 or 32
+    wide); any number of leading
     rows. With out_dtype bfloat16 the kernel rounds the sums itself (to nearest even, the bits
     XLA's convert gives), which spares the graph a convert after every call.
 
@@ -196,6 +244,8 @@ def matmul(x: BFloat16[Array, "*lead I"], packed: BFloat16[Array, "T J 64"] | UI
                              f"input width (gate | up) only; got {packed.dtype} weights, {jnp.dtype(out_dtype)}, "
                              f"width {i}")
         target = GLU_TARGET
+    elif packed.dtype == jnp.uint8 and packed.shape[-1] == TILE:
+        target = Q4_BF16_OUT if bf16_out else Q4_TARGET
     elif packed.dtype == jnp.uint8:
         target = Q7_BF16_OUT if bf16_out else Q7_TARGET
     else:

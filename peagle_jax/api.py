@@ -113,7 +113,12 @@ class LoadedModel:
         (benchmarks comparing heads load the target once). draft_weights: as `load`'s; None
         keeps what `load` was asked for (not what an earlier head resolved it to)."""
         from peagle_jax.checkpoints.drafter_io import load_drafter
-        from peagle_jax.models.options import choose_matmul, configure_inference, draft_weights_for
+        from peagle_jax.models.options import (
+            QUANTIZED_DRAFT_WEIGHTS,
+            choose_matmul,
+            configure_inference,
+            draft_weights_for,
+        )
         from peagle_jax.sharding import shard_module
 
         head = load_drafter(spec, target=self.target, dtype=self.options.get("dtype", "bfloat16"))
@@ -122,7 +127,7 @@ class LoadedModel:
         requested = self.draft_weights_request if draft_weights is None else draft_weights
         weights = draft_weights_for(requested, self.options.get("matmul", "xla"))
         if self.options.get("matmul") == "cpu_kernel":
-            if choose_matmul(head, "auto", "q7" if weights == "q7" else "bf16") != "cpu_kernel":
+            if choose_matmul(head, "auto", weights if weights in QUANTIZED_DRAFT_WEIGHTS else "bf16") != "cpu_kernel":
                 weights = draft_weights_for(requested, "xla")  # the kernel cannot serve this head
         self.options["draft_weights"] = weights
         return shard_module(head, self.mesh)
@@ -216,10 +221,11 @@ def load(
       probabilities is >= this, in [0, 1) (`drafters.drafting.confident_drafts`; 0: all K). None:
       `generate.default_draft_cutoff()` (0.1 on CPU, 0 elsewhere), or 0 where second_root is on,
       whose second chain is verified at the full width.
-    draft_weights: "auto" | "native" | "q7" (`models.options.DRAFT_WEIGHTS`): the head's matmul
-      weights. "q7" streams 7-bit weights, one byte each, through the CPU kernel: half the bytes
-      of bf16 in a memory-bound draft pass. Drafts are verified, so greedy output stays exactly
-      plain decoding's. "auto": "q7" on CPUs where it is faster (AVX512-BF16), else "native".
+    draft_weights: "auto" | "native" | "q7" | "q4" (`models.options.DRAFT_WEIGHTS`): the head's
+      matmul weights. "q7" streams 7-bit weights, one byte each, through the CPU kernel: half the
+      bytes of bf16 in a memory-bound draft pass; "q4" the Linears in 4 bits and the lm_head in 7.
+      Drafts are verified, so greedy output stays exactly plain decoding's. "auto": "q4" on CPUs
+      where it is faster (AVX512-BF16), else "native".
       `options["draft_weights"]` says which ran.
 
     Raises FileNotFoundError / ValueError with a message naming the bad setting.
@@ -230,6 +236,7 @@ def load(
     from peagle_jax.models.options import (
         DRAFT_WEIGHTS,
         MATMULS,
+        QUANTIZED_DRAFT_WEIGHTS,
         choose_matmul,
         configure_inference,
         quantize_weights_fp8,
@@ -245,10 +252,11 @@ def load(
     head_spec = resolve_drafter(model, drafter, method)
     if draft_weights not in DRAFT_WEIGHTS:
         raise ValueError(f"draft_weights must be one of {DRAFT_WEIGHTS}, got {draft_weights!r}")
-    if draft_weights == "q7" and head_spec is None:
-        raise ValueError(f"draft_weights='q7' quantizes a draft head, and method {method!r} loads none")
-    if draft_weights == "q7" and (dtype != "bfloat16" or matmul == "xla" or mesh is not None):
-        raise ValueError("draft_weights='q7' runs on the CPU matmul kernel: it needs dtype bfloat16, one device "
+    if draft_weights in QUANTIZED_DRAFT_WEIGHTS and head_spec is None:
+        raise ValueError(f"draft_weights={draft_weights!r} quantizes a draft head, and method {method!r} loads none")
+    if draft_weights in QUANTIZED_DRAFT_WEIGHTS and (dtype != "bfloat16" or matmul == "xla" or mesh is not None):
+        raise ValueError(f"draft_weights={draft_weights!r} runs on the CPU matmul kernel: it needs dtype bfloat16, "
+                         "one device "
                          f"(no mesh) and matmul 'auto' or 'cpu_kernel'; got dtype {dtype!r}, matmul {matmul!r}, "
                          f"mesh {mesh!r}")
     if "ngram" in method and not 1 <= prompt_lookup_min <= prompt_lookup_max:

@@ -82,8 +82,8 @@ def test_offline_draft_cutoffs_are_rows_of_one_head():
 
 @pytest.mark.skipif(not __import__("kernels_cpu").available(), reason="needs the CPU matmul kernel")
 def test_offline_draft_weights_are_rows_of_one_head():
-    """--draft-weights native q7: the shipped head loaded once per value (rows X/wnative, X/wq7,
-    bf16 and byte weights), each with the library's cutoff and running method X; several values
+    """--draft-weights native q7 q4: the shipped head loaded once per value (rows X/wnative,
+    X/wq7, X/wq4: bf16 and byte weights), each with the library's cutoff and running method X; several values
     refuse the options that make rows of their own."""
     from flax import nnx
 
@@ -94,17 +94,16 @@ def test_offline_draft_weights_are_rows_of_one_head():
 
     head = "assets/heads/smollm2-135m-peagle"
     args = offline.parse_args(["--peagle-head", head, "--methods", "none", "peagle", "--draft-weights", "native",
-                               "q7", "--no-hf-peer"])
+                               "q7", "q4", "--no-hf-peer"])
     drafters, labels, _ = offline._drafters(args, load(method="none"))
-    assert sorted(drafters) == ["peagle/wnative", "peagle/wq7"]
-    for row, dtype in (("peagle/wnative", "bfloat16"), ("peagle/wq7", "uint8")):
+    assert sorted(drafters) == ["peagle/wnative", "peagle/wq4", "peagle/wq7"]
+    for row, dtype in (("peagle/wnative", "bfloat16"), ("peagle/wq7", "uint8"), ("peagle/wq4", "uint8")):
         packs = {v[...].dtype.name for _, v in nnx.iter_graph(drafters[row]) if isinstance(v, PackedKernel)}
         assert packs == {dtype} and drafters[row].draft_cutoff == default_draft_cutoff()
         assert offline._method_of(row) == "peagle"
-    assert "7-bit" in labels["peagle/wq7"]
-    assert offline._configs(args, drafters) == [("none", 0), ("peagle/wnative", 3), ("peagle/wnative", 5),
-                                                 ("peagle/wnative", 7), ("peagle/wq7", 3), ("peagle/wq7", 5),
-                                                 ("peagle/wq7", 7)]
+    assert "7-bit" in labels["peagle/wq7"] and "4-bit" in labels["peagle/wq4"]
+    assert offline._configs(args, drafters) == [("none", 0), *((f"peagle/w{w}", k) for w in ("native", "q7", "q4")
+                                                               for k in (3, 5, 7))]
     for extra in (["--second-root", "on"], ["--draft-cutoff", "0", "0.1"], ["--methods", "peagle+ngram"]):
         with pytest.raises(SystemExit):
             offline.parse_args(["--peagle-head", head, "--draft-weights", "native", "q7", *extra])

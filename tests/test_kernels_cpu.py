@@ -238,17 +238,18 @@ def test_load_rejects_bad_matmul_settings():
         load(method="none", matmul="cpu_kernel", mesh="model=1")
 
 
-# ---- 7-bit weights (kernels_cpu.pack_q7), for draft heads --------------------------------------
+# ---- 7-bit and 4-bit weights (kernels_cpu.pack_q7 / pack_q4), for draft heads -------------------
 
 _Q7_SCRIPT = """
 import sys, numpy as np, jax.numpy as jnp, kernels_cpu
 assert kernels_cpu.available(), kernels_cpu.unavailable_reason()
 rng = np.random.default_rng(0)
-width = int(sys.argv[1])
+width, bits = int(sys.argv[1]), sys.argv[2]
+pack, unpack = getattr(kernels_cpu, "pack_" + bits), getattr(kernels_cpu, "unpack_" + bits)
 x = jnp.asarray(rng.standard_normal((20, width)), jnp.bfloat16)
 w = jnp.asarray(rng.standard_normal((width, 96)) * 0.05, jnp.bfloat16)
-packed = kernels_cpu.pack_q7(w)
-ref = np.asarray(x, np.float64) @ np.asarray(kernels_cpu.unpack_q7(packed, width), np.float64)
+packed = pack(w)
+ref = np.asarray(x, np.float64) @ np.asarray(unpack(packed, width), np.float64)
 full = np.asarray(kernels_cpu.matmul(x, packed))
 err = float(np.abs(full - ref).max() / np.abs(ref).max())
 invariant = all(np.array_equal(np.asarray(kernels_cpu.matmul(x[:m], packed)), full[:m])
@@ -258,25 +259,27 @@ print(err, invariant)
 
 
 @needs_kernel
+@pytest.mark.parametrize("bits", ["q7", "q4"])
 @pytest.mark.parametrize("width", [576, 577])
 @pytest.mark.parametrize("extra_env", [{}, {"PEAGLE_CPU_KERNEL_NO_AMX": "1"}, {"PEAGLE_CPU_KERNEL_NO_DPBF16": "1"}],
                          ids=["default", "no-amx", "fma"])
-def test_q7_matmul_is_the_dequantized_product_and_row_invariant(extra_env, width):
-    """x @ pack_q7(w) equals x times the weights `unpack_q7` gives back, to float32 accuracy (the
-    AMX and dot-product loops' bias of 192 * sum(x) and the FMA loop's 64 * sum(x) cancel), in
-    every loop the host has (the library picks one per process, so each runs in a fresh one;
-    AMX takes widths in whole blocks of 32 inputs, 576, and 577 the next loop); and a row's
-    result does not depend on the rows beside it, over more than one block of 16 rows."""
+def test_quantized_matmul_is_the_dequantized_product_and_row_invariant(extra_env, width, bits):
+    """x @ pack_q7(w) (or pack_q4(w)) equals x times the weights `unpack_q7` (`unpack_q4`) gives
+    back, to float32 accuracy (the AMX and dot-product loops' bias of 192 or 136 * sum(x) and the
+    FMA loop's 64 or 8 * sum(x) cancel), in every loop the host has (the library picks one per
+    process, so each runs in a fresh one; AMX takes widths in whole blocks of 32 inputs, 576, and
+    577 the next loop); and a row's result does not depend on the rows beside it, over more than
+    one block of 16 rows."""
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("PEAGLE_CPU_KERNEL_")} | extra_env
-    done = subprocess.run([sys.executable, "-c", _Q7_SCRIPT, str(width)], check=True, env=env, timeout=300,
+    done = subprocess.run([sys.executable, "-c", _Q7_SCRIPT, str(width), bits], check=True, env=env, timeout=300,
                           capture_output=True, text=True)
     err, invariant = done.stdout.split()[-2:]
-    assert float(err) < 1e-5, f"q7 matmul relative error {err}"
-    assert invariant == "True", "a row's q7 result depends on the number of rows in the call"
+    assert float(err) < 2e-5, f"{bits} matmul relative error {err}"
+    assert invariant == "True", f"a row's {bits} result depends on the number of rows in the call"
 
 
 @needs_kernel
@@ -300,33 +303,66 @@ def test_q7_packing_round_trips_to_seven_bit_weights():
 
 
 @needs_kernel
-def test_q7_head_keeps_greedy_tokens_and_drafts_like_bf16():
-    """A head with 7-bit weights: every packed weight is bytes, greedy speculative tokens are
-    still plain decoding's (drafts are verified), and its draft logits stay within the
-    quantization's reach of the bf16 head's."""
+def test_q4_packing_keeps_four_bits_of_the_least_error_clip():
+    """pack_q4 keeps each column to 4 bits of its own scale: the scale is a clip of max |w| / 7
+    from `Q4_CLIPS`, every weight within the clip is within half a step, none beyond it moves
+    inward by more than the clip; the searched clip's squared error is no worse than the absmax
+    scale's; the bf16 result is the float32 one rounded; a width not a multiple of 32 is refused."""
+    rng = np.random.default_rng(5)
+    w = _bf16(rng, (96, 64), 0.1) * jnp.asarray(np.linspace(0.01, 3.0, 64), jnp.bfloat16)
+    packed = kernels_cpu.pack_q4(w)
+    assert packed.dtype == jnp.uint8 and packed.shape == (2, kernels_cpu.Q4_SCALE_ROWS + 48, 32)
+    back, exact = np.asarray(kernels_cpu.unpack_q4(packed, 96)), np.asarray(w, np.float32)
+    amax = np.abs(exact).max(axis=0)
+    step = np.abs(back).max(axis=0) / 7  # the largest level is +-7 steps: the clip always reaches it
+    clips = np.asarray(kernels_cpu.Q4_CLIPS)
+    assert np.isclose((step * 7 / amax)[:, None], clips[None, :], rtol=1e-5).any(axis=1).all()
+    inside = np.abs(exact) <= 7 * step
+    assert np.all(np.abs(back - exact)[inside] <= (step / 2 * (1 + 1e-4) + np.zeros_like(exact))[inside])
+    assert np.all(np.abs(back[~inside]) == np.broadcast_to(7 * step, exact.shape)[~inside])
+    absmax = np.clip(np.round(exact / (amax / 7)), -7, 7) * (amax / 7)
+    assert np.all(((back - exact) ** 2).sum(0) <= ((absmax - exact) ** 2).sum(0) * (1 + 1e-5))
+    x = _bf16(rng, (3, 96))
+    f32 = kernels_cpu.matmul(x, packed)
+    assert np.array_equal(np.asarray(kernels_cpu.matmul(x, packed, out_dtype=jnp.bfloat16)),
+                          np.asarray(f32.astype(jnp.bfloat16)))
+    with pytest.raises(ValueError, match="not a multiple of 32"):
+        kernels_cpu.pack_q4(w[:, :40])
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", ["q7", "q4"])
+def test_quantized_head_keeps_greedy_tokens_and_drafts_like_bf16(bits):
+    """A head with 7-bit weights (or 4-bit Linears beside a 7-bit lm_head): every packed weight
+    is bytes, greedy speculative tokens are still plain decoding's (drafts are verified), and
+    its draft logits stay within the quantization's reach of the bf16 head's."""
     from peagle_jax.models.options import draft_weights_for
 
     target, drafter = _pair()
     assert choose_matmul(target, "auto") == "cpu_kernel"
-    q7 = pack_cpu_matmuls(nnx.clone(drafter), "q7")
+    quant = pack_cpu_matmuls(nnx.clone(drafter), bits)
     pack_cpu_matmuls(drafter)
-    packs = [v[...] for _, v in nnx.iter_graph(q7) if isinstance(v, PackedKernel)]
+    packs = [v[...] for _, v in nnx.iter_graph(quant) if isinstance(v, PackedKernel)]
     assert packs and all(p.dtype == jnp.uint8 for p in packs)
+    assert quant.lm_head_packed[...].shape[-1] == 64  # the lm_head in 7 bits either way
+    assert {p.shape[-1] for p in packs} == ({64} if bits == "q7" else {32, 64})
     prenorm = _bf16(np.random.default_rng(4), (2, drafter.config.hidden_size))
-    want, got = drafter.logits_from_prenorm(prenorm), q7.logits_from_prenorm(prenorm)
+    want, got = drafter.logits_from_prenorm(prenorm), quant.logits_from_prenorm(prenorm)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=0.05 * float(jnp.abs(want).max()))
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
     plain = speculative_generate(target, None, prompts, method="none", max_new_tokens=12)
     for method in ("peagle", "eagle3"):
         for k in (1, 3):
-            spec = speculative_generate(target, q7, prompts, method=method, num_draft_tokens=k, max_new_tokens=12)
+            spec = speculative_generate(target, quant, prompts, method=method, num_draft_tokens=k,
+                                        max_new_tokens=12)
             assert spec.tokens == plain.tokens, (method, k)
     with pytest.raises(ValueError, match="unknown packed weights"):
         pack_cpu_matmuls(nnx.clone(drafter), "int4")
     assert draft_weights_for("native", "cpu_kernel") == "native"
     assert draft_weights_for("auto", "xla") == "native"
+    assert draft_weights_for(bits, "cpu_kernel") == bits
     with pytest.raises(ValueError, match="runs on the CPU matmul kernel"):
-        draft_weights_for("q7", "xla")
+        draft_weights_for(bits, "xla")
     with pytest.raises(ValueError, match="draft_weights must be one of"):
         draft_weights_for("int8", "cpu_kernel")
 
@@ -340,6 +376,8 @@ def test_load_rejects_bad_draft_weights():
         load(method="ngram", draft_weights="q7")
     with pytest.raises(ValueError, match="needs dtype bfloat16"):
         load(dtype="float32", draft_weights="q7")
+    with pytest.raises(ValueError, match="q4.*needs dtype bfloat16"):
+        load(dtype="float32", draft_weights="q4")
 
 
 # ---- SiLU(gate) * up inside the down projection's call (matmul(glu=True)) ------------------------

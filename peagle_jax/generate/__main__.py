@@ -37,9 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-cutoff", type=float, default=None,
                    help="eagle3 / peagle: verify only the leading drafts whose product of head probabilities is "
                         ">= this, in [0, 1) (0: all K; default: 0.1 on CPU, 0 elsewhere)")
-    p.add_argument("--draft-weights", choices=("auto", "native", "q7"), default="auto",
-                   help="the head's matmul weights: q7 streams 7-bit weights through the CPU kernel, half the "
-                        "bytes of bf16 (drafts are verified, output unchanged); auto: q7 where faster (AVX512-BF16)")
+    p.add_argument("--draft-weights", choices=("auto", "native", "q7", "q4"), default="auto",
+                   help="the head's matmul weights through the CPU kernel: q7 7-bit, half the bytes of bf16; q4 "
+                        "4-bit Linears and a 7-bit lm_head (drafts are verified, output unchanged); auto: q4 where "
+                        "faster (AVX512-BF16)")
     p.add_argument("-k", "--num-draft-tokens", type=int, default=None,
                    help="drafts per round (default: the fastest measured on this backend, 2 on CPU, 3 elsewhere)")
     p.add_argument("--max-new-tokens", type=int, default=128)

@@ -96,7 +96,8 @@ def cpu_kernel_blocker(module: nnx.Module) -> str | None:
     return kernels_cpu.unavailable_reason()
 
 
-PACKED_WEIGHTS = ("bf16", "q7")
+PACKED_WEIGHTS = ("bf16", "q7", "q4")
+QUANTIZED_DRAFT_WEIGHTS = ("q7", "q4")  # the draft_weights choices that quantize a head (CPU kernel only)
 
 
 def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16") -> nnx.Module:
@@ -106,10 +107,12 @@ def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16") -> nnx.Module:
     Inference only: the custom call has no gradient. Raises ValueError naming the reason where
     it cannot run (`cpu_kernel_blocker`).
 
-    weights: "bf16" (`kernels_cpu.pack`: the model's own numbers) or "q7" (`kernels_cpu.pack_q7`:
-    7-bit per-column weights in one byte each, half the bytes to stream). "q7" changes the
-    results, so only a draft head takes it: its drafts are verified by the target, never emitted
-    unchecked (`q7_blocker` says where it is slower)."""
+    weights: "bf16" (`kernels_cpu.pack`: the model's own numbers), "q7" (`kernels_cpu.pack_q7`:
+    7-bit per-column weights in one byte each, half the bytes to stream) or "q4" (the Linears in
+    4 bits, `kernels_cpu.pack_q4`, a quarter of the bytes; the lm_head stays in 7 bits: its
+    logits pick the drafts, and 4 bits there cost acceptance, README session 31). "q7" and "q4"
+    change the results, so only a draft head takes them: its drafts are verified by the target,
+    never emitted unchecked (`q7_blocker` says where they are slower)."""
     import kernels_cpu
 
     if weights not in PACKED_WEIGHTS:
@@ -117,7 +120,8 @@ def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16") -> nnx.Module:
     reason = cpu_kernel_blocker(module)
     if reason is not None:
         raise ValueError(f"the CPU matmul kernel cannot serve this model: {reason}")
-    pack = kernels_cpu.pack_q7 if weights == "q7" else kernels_cpu.pack
+    pack = {"bf16": kernels_cpu.pack, "q7": kernels_cpu.pack_q7, "q4": kernels_cpu.pack_q4}[weights]
+    pack_head = kernels_cpu.pack_q7 if weights == "q4" else pack
 
     def packable(*linears: Linear) -> bool:
         return all(lin.kernel.shape[1] % kernels_cpu.TILE == 0 for lin in linears)
@@ -137,7 +141,7 @@ def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16") -> nnx.Module:
     if hasattr(module, "lm_head_packed"):
         head = module.lm_head_weight()
         if head.shape[1] % kernels_cpu.TILE == 0:
-            module.lm_head_packed = PackedKernel(pack(head))
+            module.lm_head_packed = PackedKernel(pack_head(head))
     return module
 
 
@@ -154,13 +158,13 @@ def q7_blocker() -> str | None:
     return None
 
 
-DRAFT_WEIGHTS = ("auto", "native", "q7")
+DRAFT_WEIGHTS = ("auto", "native", "q7", "q4")
 
 
 def choose_matmul(module: nnx.Module, matmul: str, weights: str = "bf16") -> str:
     """Apply a `load(matmul=...)` choice: "auto" packs for the CPU kernel where it can run (and
     says why not in the log where it cannot), "cpu_kernel" requires it, "xla" never uses it.
-    `weights` is `pack_cpu_matmuls`'s ("q7" for draft heads only). Returns the path taken:
+    `weights` is `pack_cpu_matmuls`'s ("q7" and "q4" for draft heads only). Returns the path taken:
     "cpu_kernel" or "xla"."""
     import logging
 
@@ -180,17 +184,21 @@ def choose_matmul(module: nnx.Module, matmul: str, weights: str = "bf16") -> str
 
 def draft_weights_for(requested: str, matmul_path: str) -> str:
     """A `load(draft_weights=...)` choice resolved for a head whose matmuls take `matmul_path`:
-    "q7" (7-bit weights, `pack_cpu_matmuls`) or "native" (the head's weights in the load dtype).
-    "auto" takes "q7" where the CPU kernel serves the head and 7-bit weights are faster here
-    (`q7_blocker`); an explicit "q7" needs only the kernel. Raises ValueError naming the reason."""
+    "q7" / "q4" (7- or 4-bit weights, `pack_cpu_matmuls`) or "native" (the head's weights in the
+    load dtype). "auto" takes "q4" where the CPU kernel serves the head and quantized weights are
+    faster here (`q7_blocker`): on the shipped P-EAGLE head its acceptance equals q7's and its
+    rounds are 0.1-0.3 ms shorter (README session 31). An explicit "q7" or "q4" needs only the
+    kernel. Raises ValueError naming the reason."""
     if requested not in DRAFT_WEIGHTS:
         raise ValueError(f"draft_weights must be one of {DRAFT_WEIGHTS}, got {requested!r}")
     if requested == "native":
         return "native"
     if matmul_path != "cpu_kernel":
-        if requested == "q7":
-            raise ValueError(f"draft_weights='q7' runs on the CPU matmul kernel, and this model's matmuls run on "
-                             f"{matmul_path} (q7 needs dtype bfloat16, one CPU device and matmul 'auto' or "
-                             "'cpu_kernel')")
+        if requested in QUANTIZED_DRAFT_WEIGHTS:
+            raise ValueError(f"draft_weights={requested!r} runs on the CPU matmul kernel, and this model's matmuls "
+                             f"run on {matmul_path} ({requested} needs dtype bfloat16, one CPU device and matmul "
+                             "'auto' or 'cpu_kernel')")
         return "native"
-    return "q7" if requested == "q7" or q7_blocker() is None else "native"
+    if requested in QUANTIZED_DRAFT_WEIGHTS:
+        return requested
+    return "q4" if q7_blocker() is None else "native"

@@ -88,9 +88,10 @@ class ServeConfig(BaseModel):
     draft_cutoff: float | None = Field(
         None, ge=0.0, lt=1.0, description="eagle3 / peagle: verify only the leading drafts whose product of head "
         "probabilities is >= this (0: all; default: 0.1 on CPU, 0 elsewhere; generate.default_draft_cutoff)")
-    draft_weights: Literal["auto", "native", "q7"] = Field(
-        "auto", description="the head's matmul weights: q7 streams 7-bit weights through the CPU kernel (half "
-        "the bytes of bf16; drafts are verified, output unchanged); auto: q7 where faster (AVX512-BF16)")
+    draft_weights: Literal["auto", "native", "q7", "q4"] = Field(
+        "auto", description="the head's matmul weights through the CPU kernel: q7 7-bit (half the bytes of bf16), "
+        "q4 4-bit Linears and a 7-bit lm_head (drafts are verified, output unchanged); auto: q4 where faster "
+        "(AVX512-BF16)")
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     attention: Literal["xla", "cpu", "triton", "mosaic", "auto"] | None = Field(
         None, description="cache-attention implementation (Pallas kernels on GPU; default: cpu, "
@@ -171,9 +172,10 @@ class ServeConfig(BaseModel):
         if self.draft_cutoff and self.second_root:
             raise ValueError("draft_cutoff and second_root do not combine (the second chain is verified at the "
                              "full width); set one of them")
-        if self.draft_weights == "q7" and (self.method in ("none", "ngram") or (self.drafter or "").lower() == "none"):
-            raise ValueError(f"draft_weights 'q7' quantizes a draft head; method {self.method!r} with drafter "
-                             f"{self.drafter!r} has none")
+        if self.draft_weights in ("q7", "q4") and (self.method in ("none", "ngram")
+                                                   or (self.drafter or "").lower() == "none"):
+            raise ValueError(f"draft_weights {self.draft_weights!r} quantizes a draft head; method {self.method!r} "
+                             f"with drafter {self.drafter!r} has none")
         check_prefill_chunk(self.prefill_chunk, self.min_prompt_bucket)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
@@ -206,8 +208,8 @@ _FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
                                                                       "second choice for the first draft")),
     (("--draft-cutoff",), dict(type=float, help="eagle3 / peagle: verify only the leading drafts whose product of "
                                                 "head probabilities is >= this (0: all; default 0.1 on CPU)")),
-    (("--draft-weights",), dict(choices=("auto", "native", "q7"), help="the head's matmul weights (default auto: "
-                                                                      "7-bit q7 where faster on CPU)")),
+    (("--draft-weights",), dict(choices=("auto", "native", "q7", "q4"), help="the head's matmul weights (default "
+                                "auto: q4, 4-bit Linears and a 7-bit lm_head, where faster on CPU)")),
     (("--dtype",), dict(choices=("float32", "bfloat16"))),
     (("--attention",), dict(choices=("xla", "cpu", "triton", "mosaic", "auto"),
                             help="cache-attention implementation (default: cpu where the matmuls run on the CPU "
