@@ -153,7 +153,7 @@ def pack_q7(w: Float[Array, "I O"]) -> UInt8[Array, "T S 64"]:
     """[I, O] -> [O/32, 2 + J, 64] uint8, J = ceil(I/2): weight-only 7-bit quantization per output
     column (symmetric, scale = max |w[:, c]| / 63), each weight w7 stored as the byte w7 + 64.
     Per 32-column tile, the tile's float32 scales (their bytes, 2 rows), then per input pair j
-    each column's two bytes side by side (`pack`'s pair layout; gemv_q7.cc says why 7 bits).
+    each column's two bytes side by side (`pack`'s pair layout; gemv_quant.cc says why 7 bits).
     Half the bytes of `pack`, for matmuls whose rounding may move: a draft head's (its drafts
     are verified)."""
     i, o = w.shape

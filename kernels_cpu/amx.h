@@ -1,4 +1,4 @@
-// AMX tile configuration, shared by the kernels that run on AMX tiles (gemv_bf16.cc, gemv_q7.cc).
+// AMX tile configuration, shared by the kernels that run on AMX tiles (gemv_bf16.cc, gemv_quant.cc).
 #pragma once
 
 #include <immintrin.h>

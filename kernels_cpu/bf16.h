@@ -8,7 +8,7 @@
 
 namespace peagle {
 
-// Whether this host may run the AVX512-BF16 dot-product loops (gemv_q7.cc's, attention_bf16.cc's
+// Whether this host may run the AVX512-BF16 dot-product loops (gemv_quant.cc's, attention_bf16.cc's
 // wide lanes): the CPU has AVX-512F/BW and AVX512-BF16, and neither PEAGLE_CPU_KERNEL_NO_DPBF16
 // nor PEAGLE_CPU_KERNEL_AVX2 is set (tests and benchmarks pick the other loops with them).
 inline bool dot_products_allowed() {
