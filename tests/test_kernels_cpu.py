@@ -282,6 +282,17 @@ def test_quantized_matmul_is_the_dequantized_product_and_row_invariant(extra_env
     assert invariant == "True", f"a row's {bits} result depends on the number of rows in the call"
 
 
+def _check_bf16_result_and_width(pack, packed, w, rng):
+    """The kernel's bf16 result on `packed` is its float32 result rounded, and `pack` refuses an
+    output width that is not a multiple of 32."""
+    x = _bf16(rng, (3, w.shape[0]))
+    f32 = kernels_cpu.matmul(x, packed)
+    assert np.array_equal(np.asarray(kernels_cpu.matmul(x, packed, out_dtype=jnp.bfloat16)),
+                          np.asarray(f32.astype(jnp.bfloat16)))
+    with pytest.raises(ValueError, match="not a multiple of 32"):
+        pack(w[:, :40])
+
+
 @needs_kernel
 def test_q7_packing_round_trips_to_seven_bit_weights():
     """pack_q7 keeps each column to 7 bits of its own scale (error <= half a step, max |w| / 126),
@@ -294,12 +305,7 @@ def test_q7_packing_round_trips_to_seven_bit_weights():
     back, exact = np.asarray(kernels_cpu.unpack_q7(packed, 64)), np.asarray(w, np.float32)
     step = np.abs(exact).max(axis=0) / 63
     assert np.all(np.abs(back - exact) <= step / 2 * (1 + 1e-4))
-    x = _bf16(rng, (3, 64))
-    f32 = kernels_cpu.matmul(x, packed)
-    assert np.array_equal(np.asarray(kernels_cpu.matmul(x, packed, out_dtype=jnp.bfloat16)),
-                          np.asarray(f32.astype(jnp.bfloat16)))
-    with pytest.raises(ValueError, match="not a multiple of 32"):
-        kernels_cpu.pack_q7(w[:, :40])
+    _check_bf16_result_and_width(kernels_cpu.pack_q7, packed, w, rng)
 
 
 @needs_kernel
@@ -322,12 +328,7 @@ def test_q4_packing_keeps_four_bits_of_the_least_error_clip():
     assert np.all(np.abs(back[~inside]) == np.broadcast_to(7 * step, exact.shape)[~inside])
     absmax = np.clip(np.round(exact / (amax / 7)), -7, 7) * (amax / 7)
     assert np.all(((back - exact) ** 2).sum(0) <= ((absmax - exact) ** 2).sum(0) * (1 + 1e-5))
-    x = _bf16(rng, (3, 96))
-    f32 = kernels_cpu.matmul(x, packed)
-    assert np.array_equal(np.asarray(kernels_cpu.matmul(x, packed, out_dtype=jnp.bfloat16)),
-                          np.asarray(f32.astype(jnp.bfloat16)))
-    with pytest.raises(ValueError, match="not a multiple of 32"):
-        kernels_cpu.pack_q4(w[:, :40])
+    _check_bf16_result_and_width(kernels_cpu.pack_q4, packed, w, rng)
 
 
 @needs_kernel
