@@ -193,13 +193,16 @@ def pack_q4(w: Float[Array, "I O"]) -> UInt8[Array, "T S 32"]:
         raise ValueError(f"kernels_cpu.pack_q4: the output width {o} is not a multiple of {TILE}")
     w = jnp.asarray(w, jnp.float32)
     amax = jnp.maximum(jnp.max(jnp.abs(w), axis=0), 1e-30)
-    best_err = best_scale = None
-    for clip in Q4_CLIPS:
+
+    def squared_error(scale):
+        return jnp.sum((jnp.clip(jnp.round(w / scale), -7, 7) * scale - w) ** 2, axis=0)
+
+    best_scale = amax * Q4_CLIPS[0] / 7.0
+    best_err = squared_error(best_scale)
+    for clip in Q4_CLIPS[1:]:  # one clip at a time: all at once would hold len(Q4_CLIPS) copies of w
         scale = amax * clip / 7.0
-        err = jnp.sum((jnp.clip(jnp.round(w / scale), -7, 7) * scale - w) ** 2, axis=0)
-        better = err < best_err if best_err is not None else jnp.ones_like(err, bool)
-        best_err = err if best_err is None else jnp.where(better, err, best_err)
-        best_scale = scale if best_scale is None else jnp.where(better, scale, best_scale)
+        err = squared_error(scale)
+        best_err, best_scale = jnp.where(err < best_err, err, best_err), jnp.where(err < best_err, scale, best_scale)
     q = (jnp.clip(jnp.round(w / best_scale), -7, 7) + 8).astype(jnp.uint8)
     pairs = (i + 1) // 2
     q = jnp.concatenate([q, jnp.full((2 * pairs - i, o), 8, jnp.uint8)])  # a pad row weighs 0

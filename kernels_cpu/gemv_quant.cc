@@ -48,10 +48,11 @@ constexpr int64_t kPairBf16 = 2 * kTile;  // bf16 weights per (tile, input pair)
 
 #define PEAGLE_BW __attribute__((target("avx512f,avx512bw"), always_inline))
 
-// The weight formats: bytes per (tile, input pair), the constants the sums carry, and the decoding
-// of one input pair's 32 columns into bf16 pair operands (two vectors: columns 0-15 and 16-31) or
-// into float32 (8 columns g, their even- and odd-input weights).
+// The weight formats: their packed layout (for errors), bytes per (tile, input pair), the constants
+// the sums carry, and the decoding of one input pair's 32 columns into bf16 pair operands (two
+// vectors: columns 0-15 and 16-31) or into float32 (8 columns g, their even- and odd-input weights).
 struct Q7 {
+  static constexpr const char* kLayout = "gemv_q7: x [M, I] and packed w [O/32, 2 + ceil(I/2), 64] uint8 expected";
   static constexpr int64_t kPairBytes = 64;
   static constexpr float kBiasDp = 192.0f;  // the dot-product loops' weights are 128 + m = 192 + w7
   static constexpr float kBiasFma = 64.0f;  // the FMA loop's weights are m = 64 + w7
@@ -67,6 +68,7 @@ struct Q7 {
 };
 
 struct Q4 {
+  static constexpr const char* kLayout = "gemv_q4: x [M, I] and packed w [O/32, 4 + ceil(I/2), 32] uint8 expected";
   static constexpr int64_t kPairBytes = 32;
   static constexpr float kBiasDp = 136.0f;  // 128 + m = 136 + w4
   static constexpr float kBiasFma = 8.0f;   // m = 8 + w4
@@ -290,9 +292,7 @@ ffi::Error GemvQuant(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::Buff
   constexpr int64_t width = F::kPairBytes, scale_rows = kScaleBytes / width;
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || wd[2] != width || wd[1] != scale_rows + (xd[1] + 1) / 2)
-    return ffi::Error::InvalidArgument(F::kPairBytes == 64
-        ? "gemv_q7: x [M, I] and packed w [O/32, 2 + ceil(I/2), 64] uint8 expected"
-        : "gemv_q4: x [M, I] and packed w [O/32, 4 + ceil(I/2), 32] uint8 expected");
+    return ffi::Error::InvalidArgument(F::kLayout);
   auto job = std::make_shared<Job<F>>();
   const int64_t I = xd[1], M = xd[0], J = wd[1] - scale_rows;
   job->M = M; job->J = J; job->tiles = wd[0]; job->O = wd[0] * kTile;

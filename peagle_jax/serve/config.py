@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from peagle_jax.api import SECOND_ROOT_METHODS
+from peagle_jax.models.options import DRAFT_WEIGHTS, QUANTIZED_DRAFT_WEIGHTS
 from peagle_jax.serve.engine import check_prefill_chunk
 
 __all__ = ["DEFAULT_DRAFTER", "LOOPBACK_HOSTS", "Mesh", "ServeConfig", "build_parser", "config_from_args", "parse_mesh"]
@@ -172,8 +173,8 @@ class ServeConfig(BaseModel):
         if self.draft_cutoff and self.second_root:
             raise ValueError("draft_cutoff and second_root do not combine (the second chain is verified at the "
                              "full width); set one of them")
-        if self.draft_weights in ("q7", "q4") and (self.method in ("none", "ngram")
-                                                   or (self.drafter or "").lower() == "none"):
+        if self.draft_weights in QUANTIZED_DRAFT_WEIGHTS and (self.method in ("none", "ngram")
+                                                              or (self.drafter or "").lower() == "none"):
             raise ValueError(f"draft_weights {self.draft_weights!r} quantizes a draft head; method {self.method!r} "
                              f"with drafter {self.drafter!r} has none")
         check_prefill_chunk(self.prefill_chunk, self.min_prompt_bucket)
@@ -208,7 +209,7 @@ _FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
                                                                       "second choice for the first draft")),
     (("--draft-cutoff",), dict(type=float, help="eagle3 / peagle: verify only the leading drafts whose product of "
                                                 "head probabilities is >= this (0: all; default 0.1 on CPU)")),
-    (("--draft-weights",), dict(choices=("auto", "native", "q7", "q4"), help="the head's matmul weights (default "
+    (("--draft-weights",), dict(choices=DRAFT_WEIGHTS, help="the head's matmul weights (default "
                                 "auto: q4, 4-bit Linears and a 7-bit lm_head, where faster on CPU)")),
     (("--dtype",), dict(choices=("float32", "bfloat16"))),
     (("--attention",), dict(choices=("xla", "cpu", "triton", "mosaic", "auto"),
