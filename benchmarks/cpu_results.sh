@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The README's CPU results for SmolLM2-135M-Instruct with the shipped heads, one stage after
-# the other (stages need a quiet machine: run nothing else meanwhile).
+# The CPU reference tables of docs/benchmarks.md for SmolLM2-135M-Instruct with the shipped
+# heads, one stage after the other (stages need a quiet machine: run nothing else meanwhile).
 #
 #   bash benchmarks/cpu_results.sh [offline] [online] [acceptance]    (default: all three)
 #

@@ -7,7 +7,8 @@ the weights from memory. This times, at the same R rows and on the model's own w
     R rows, nothing else (the part a faster GEMV kernel could shrink);
   * one pass reading all those weights (a sum in float32): the bandwidth this machine gives
     a plain XLA:CPU loop, i.e. the floor for a step.
-#18's "plain decoding at least 2x transformers" is checked against these figures in the README.
+#18's "plain decoding at least 2x transformers" was checked against these figures in
+docs/notes/2026-12-03-session-15.md.
 All of it runs on XLA's matmuls (`load(matmul="xla")`): this is the analysis that motivated the
 CPU matmul kernel (`kernels_cpu`), which `benchmarks.forward_rows --matmuls` times against it.
 

@@ -2,8 +2,8 @@
 
 A speculative round verifies K+1 rows where plain decoding runs 1, so the price of a row
 decides where speculation breaks even. This times one jitted target forward over R rows at a
-fixed context, for each R, under each combination of two switches (see the README, "Exact
-in bf16"):
+fixed context, for each R, under each combination of two switches (see docs/exactness.md,
+"Exact in bf16"):
   * `step_jit`'s compiler option (YNN fusions limited to single dots), on / off: needed for
     row invariance;
   * row-wise cache attention for blocks of <= 16 rows, on / off: no longer needed (the batched

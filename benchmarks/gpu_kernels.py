@@ -15,7 +15,7 @@ Writes ``<out>/bench.json`` and ``<out>/bench.md``. Combos that do not fit in GP
 that fail, are recorded as skipped with the reason; a time budget stops starting new combos.
 
     python -m benchmarks.gpu_kernels --out results/gpu_kernels          # on a GPU
-    python -m benchmarks.gpu_kernels --smoke --out /tmp/gk               # CPU plumbing check
+    python -m benchmarks.gpu_kernels --smoke --out results/tmp/gk        # CPU plumbing check
 """
 
 from __future__ import annotations

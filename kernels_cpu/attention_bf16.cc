@@ -17,8 +17,8 @@
 // the same item with bf16 pair dot products for the scores and 16-wide FMAs for the values; where
 // the matmuls run on AMX tiles, attend_lanes_amx takes up to 16 heads an item and the scores of
 // 16 keys at a time from tile dot products (a K=3 round 0.45 ms and a K=7 round 1.4 ms cheaper
-// than with the dot products, on the Xeon of session 30). All loops request a layer's keys and
-// values ahead of use (struct Prefetch; a decode step ~4% faster).
+// than with the dot products, on the Xeon of docs/notes/2026-12-05-session-30.md). All loops
+// request a layer's keys and values ahead of use (struct Prefetch; a decode step ~4% faster).
 //
 // Exactness: every lane runs the same instructions on its own data, whatever else is in the call,
 // and its sums run over its visible keys in increasing position. A key one lane does not see

@@ -124,8 +124,8 @@ def test_draft_cutoff_and_second_root_are_refused_together(target, drafter):
 def test_k_left_out_is_the_backends_measured_default(target, drafter, reference):
     from peagle_jax.generate import default_draft_cutoff, default_num_draft_tokens
 
-    assert default_num_draft_tokens() == 2  # CPU (this suite runs on CPU): README, sessions 21-25
-    assert default_draft_cutoff() == 0.1  # CPU: README, session 27
+    assert default_num_draft_tokens() == 2  # CPU (this suite runs on CPU): docs/notes/, sessions 21-25
+    assert default_draft_cutoff() == 0.1  # CPU: docs/notes/2026-12-05-session-27.md
     out = speculative_generate(target, drafter, PROMPTS, max_new_tokens=24, eos_token_ids=[EOS])
     assert out.num_draft_tokens == 2 and out.accepted_per_position.shape == (2,)
     assert out.tokens == [t[:24] for t in reference.tokens]

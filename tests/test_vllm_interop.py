@@ -171,7 +171,7 @@ def test_vllm_speculative_with_our_head(env, method, k):
           f"{[round(x, 3) for x in vs['acceptance_rate_per_pos']]} ({vs['num_drafts']} drafts) | "
           f"ours AL {os_['al']:.3f}, per position {[round(x, 3) for x in os_['acceptance_rate_per_pos']]}")
     # vLLM's verify runs K+1-row bf16 products that round unlike its 1-row decode, so its
-    # speculative output may leave its plain output at a near-tie (session 22: 15 of 176
+    # speculative output may leave its plain output at a near-tie (docs/notes/2026-12-04-session-22.md: 15 of 176
     # outputs); ours must equal our plain output exactly.
     for i, (a, b) in enumerate(zip(v["outputs"], env.vllm_plain["outputs"], strict=True)):
         d = peer_vllm.first_divergence(a, b)

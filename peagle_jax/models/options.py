@@ -110,9 +110,9 @@ def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16") -> nnx.Module:
     weights: "bf16" (`kernels_cpu.pack`: the model's own numbers), "q7" (`kernels_cpu.pack_q7`:
     7-bit per-column weights in one byte each, half the bytes to stream) or "q4" (the Linears in
     4 bits, `kernels_cpu.pack_q4`, a quarter of the bytes; the lm_head stays in 7 bits: its
-    logits pick the drafts, and 4 bits there cost acceptance, README session 31). "q7" and "q4"
-    change the results, so only a draft head takes them: its drafts are verified by the target,
-    never emitted unchecked (`q7_blocker` says where they are slower)."""
+    logits pick the drafts, and 4 bits there cost acceptance, docs/notes/2026-12-05-session-31.md).
+    "q7" and "q4" change the results, so only a draft head takes them: its drafts are verified by
+    the target, never emitted unchecked (`q7_blocker` says where they are slower)."""
     import kernels_cpu
 
     if weights not in PACKED_WEIGHTS:
@@ -148,7 +148,8 @@ def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16") -> nnx.Module:
 def q7_blocker() -> str | None:
     """Why 7-bit packed weights would not be faster here (None: they are). Their loop turns
     bytes into bf16 dot-product operands (AVX512-BF16); elsewhere it widens them to float32
-    and runs out of arithmetic before memory at 3 rows (slower than bf16, README session 28)."""
+    and runs out of arithmetic before memory at 3 rows (slower than bf16: docs/cpu-kernels.md,
+    "The matmul on 7-bit and 4-bit weights")."""
     import kernels_cpu
 
     if (why := kernels_cpu.unavailable_reason()) is not None:
@@ -187,8 +188,8 @@ def draft_weights_for(requested: str, matmul_path: str) -> str:
     "q7" / "q4" (7- or 4-bit weights, `pack_cpu_matmuls`) or "native" (the head's weights in the
     load dtype). "auto" takes "q4" where the CPU kernel serves the head and quantized weights are
     faster here (`q7_blocker`): on the shipped P-EAGLE head its acceptance equals q7's and its
-    rounds are 0.1-0.3 ms shorter (README session 31). An explicit "q7" or "q4" needs only the
-    kernel. Raises ValueError naming the reason."""
+    rounds are 0.1-0.3 ms shorter (docs/notes/2026-12-05-session-31.md). An explicit "q7" or "q4"
+    needs only the kernel. Raises ValueError naming the reason."""
     if requested not in DRAFT_WEIGHTS:
         raise ValueError(f"draft_weights must be one of {DRAFT_WEIGHTS}, got {requested!r}")
     if requested == "native":
