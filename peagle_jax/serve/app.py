@@ -35,16 +35,8 @@ def load_models(config: ServeConfig) -> LoadedModel:
     """Load target, tokenizer and head through the library's front door (`peagle_jax.load`)."""
     from peagle_jax.api import is_default_model, load
 
-    mesh = config.mesh
-    llm = load(config.model, drafter=config.drafter or "auto", method=config.method, dtype=config.dtype,
-               mesh={"data": mesh.data, "model": mesh.model} if mesh.size > 1 else None,
-               attention=config.attention, kv_cache_dtype=config.kv_cache_dtype, fp8_weights=config.fp8_weights,
-               matmul=config.matmul, served_model_name=config.served_model_name,
-               prompt_lookup_min=config.prompt_lookup_min, prompt_lookup_max=config.prompt_lookup_max,
-               head_draft_tokens=config.head_draft_tokens,
-               two_chains=config.two_chains, second_root=config.second_root, draft_cutoff=config.draft_cutoff,
-               draft_weights=config.draft_weights)
-    if llm.drafter is None and config.drafter is None and config.method == "auto" and is_default_model(config.model):
+    llm = load(options=config.options())
+    if llm.drafter is None and config.drafter == "auto" and config.method == "auto" and is_default_model(config.model):
         log.warning("no trained P-EAGLE head at %s: serving %s WITHOUT speculative decoding (method none). "
                     "Pass --drafter DIR to use a draft head.", DEFAULT_DRAFTER, llm.model_name)
     return llm
@@ -62,10 +54,10 @@ def _wrap_injected(config: ServeConfig, target: Any, drafter: Any, tokenizer: An
         target, tokenizer, drafter=drafter, method=m,
         eos_ids=list(eos_ids) if eos_ids is not None else [tokenizer.eos_token_id],
         name=served_model_name or config.served_model_name or "peagle-test")
-    if config.mesh.size > 1:  # loaded models are placed by `load`; injected ones here, the same way
+    if config.mesh is not None:  # loaded models are placed by `load`; injected ones here, the same way
         from peagle_jax.sharding import make_mesh
 
-        loaded.place_on(make_mesh({"data": config.mesh.data, "model": config.mesh.model}))
+        loaded.place_on(make_mesh(config.mesh))
         log.info("sharded target and drafter over mesh %s", config.mesh)
     return loaded
 

@@ -13,8 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from peagle_jax.api import SECOND_ROOT_METHODS
-from peagle_jax.models.options import DRAFT_WEIGHTS, QUANTIZED_DRAFT_WEIGHTS
+from peagle_jax.options import Options, add_option_flags, settings_error
 from peagle_jax.serve.engine import check_prefill_chunk
 
 __all__ = ["DEFAULT_DRAFTER", "LOOPBACK_HOSTS", "Mesh", "ServeConfig", "build_parser", "config_from_args", "parse_mesh"]
@@ -60,48 +59,12 @@ def parse_mesh(spec: str | dict | Mesh | None) -> Mesh:
     return Mesh(**axes)
 
 
-class ServeConfig(BaseModel):
-    """Everything `python -m peagle_jax.serve` can be told (YAML keys = field names)."""
+class ServeConfig(Options):
+    """Everything `python -m peagle_jax.serve` can be told (YAML keys = field names): the shared
+    `Options` (what to load and how to speculate) and the engine's and HTTP server's settings."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", frozen=False, validate_assignment=True)
 
-    # --- models
-    model: str | None = Field(None, description="a .gguf file, an HF directory, or 'default' (SmolLM2-135M-Instruct)")
-    served_model_name: str | None = Field(None, description="model id clients send (default: derived from the model)")
-    drafter: str | None = Field(
-        None,
-        description=f"draft head directory; unset = {DEFAULT_DRAFTER} for the default model if present; "
-        "'none' = no drafter",
-    )
-    method: Literal["auto", "none", "eagle3", "peagle", "ngram", "eagle3+ngram", "peagle+ngram"] = "auto"
-    num_draft_tokens: int | None = Field(
-        None, ge=1, le=32, description="drafts per round (default: the fastest measured on this backend, "
-        "2 on CPU, 3 elsewhere; generate.default_num_draft_tokens)")
-    prompt_lookup_min: int = Field(2, ge=1, description="smallest n-gram method 'ngram' matches")
-    prompt_lookup_max: int = Field(4, ge=1, description="largest n-gram method 'ngram' matches")
-    head_draft_tokens: int | None = Field(
-        None, ge=1, description="X+ngram methods: drafts the head proposes where prompt lookup has no match "
-        "(default: num_draft_tokens)")
-    two_chains: bool = Field(False, description="X+ngram methods: verify the head's and the lookup's drafts "
-                             "together in one forward where the lookup matches (greedy rounds)")
-    second_root: bool = Field(False, description="eagle3 / peagle: also verify the head's second choice for "
-                              "the first draft in the same forward (greedy rounds)")
-    draft_cutoff: float | None = Field(
-        None, ge=0.0, lt=1.0, description="eagle3 / peagle: verify only the leading drafts whose product of head "
-        "probabilities is >= this (0: all; default: 0.1 on CPU, 0 elsewhere; generate.default_draft_cutoff)")
-    draft_weights: Literal["auto", "native", "q7", "q4"] = Field(
-        "auto", description="the head's matmul weights through the CPU kernel: q7 7-bit (half the bytes of bf16), "
-        "q4 4-bit Linears and a 7-bit lm_head (drafts are verified, output unchanged); auto: q4 where faster "
-        "(AVX512-BF16)")
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    attention: Literal["xla", "cpu", "triton", "mosaic", "auto"] | None = Field(
-        None, description="cache-attention implementation (Pallas kernels on GPU; default: cpu, "
-                    "the C++ kernel, where the matmuls run on the CPU kernel, else the XLA reference)")
-    kv_cache_dtype: Literal["float32", "bfloat16", "float8_e4m3fn"] | None = Field(
-        None, description="KV cache dtype (default: the model dtype)")
-    fp8_weights: bool = Field(False, description="store the target's linear weights in FP8 (e4m3)")
-    matmul: Literal["auto", "xla", "cpu_kernel"] = Field(
-        "auto", description="decode-sized matmuls: 'auto' uses the AVX2 kernel (kernels_cpu) for bf16 on one CPU")
     # --- engine
     max_batch_size: int = Field(8, ge=1, le=1024)
     max_model_len: int | None = Field(2048, ge=2, description="prompt + completion tokens; None = the model's context")
@@ -111,7 +74,6 @@ class ServeConfig(BaseModel):
     prefill_chunk: int = Field(
         256, ge=1, description="prompt tokens prefilled per engine step: a longer prompt is prefilled in chunks "
         "between other sequences' rounds; a prompt bucket (min_prompt_bucket * 2^i or * 1.5 * 2^i)")
-    mesh: Mesh = Field(default_factory=Mesh)
     seed: int = 0
     warmup: bool = Field(True, description="compile every round and prefill shape before accepting requests")
     compilation_cache_dir: str | None = Field(
@@ -145,43 +107,23 @@ class ServeConfig(BaseModel):
         extra = [] if self.host in _WILDCARD_BINDS or self.host in LOOPBACK_HOSTS else [self.host]
         return list(LOOPBACK_HOSTS) + extra
 
-    @field_validator("mesh", mode="before")
-    @classmethod
-    def _mesh(cls, v: Any) -> Mesh:
-        return parse_mesh(v)
-
-    @field_validator("api_key", "drafter", "model", "served_model_name", mode="before")
+    @field_validator("api_key", mode="before")
     @classmethod
     def _empty_is_none(cls, v: Any) -> Any:
         return None if isinstance(v, str) and not v.strip() else v
 
     @model_validator(mode="after")
-    def _check(self) -> ServeConfig:
-        if self.drafter is not None and self.drafter.lower() == "none" and self.method not in ("auto", "none", "ngram"):
-            raise ValueError(f"method {self.method!r} needs a drafter (drafter is 'none')")
-        if self.head_draft_tokens is not None and not self.method.endswith("+ngram"):
-            raise ValueError("head_draft_tokens applies to the methods eagle3+ngram and peagle+ngram, "
-                             f"not {self.method!r}")
-        if self.two_chains and not self.method.endswith("+ngram"):
-            raise ValueError(f"two_chains applies to the methods eagle3+ngram and peagle+ngram, not {self.method!r}")
-        if self.second_root and self.method not in ("auto", *SECOND_ROOT_METHODS):
-            raise ValueError(f"second_root applies to the methods auto, {', '.join(SECOND_ROOT_METHODS)}, "
-                             f"not {self.method!r}")
-        if self.draft_cutoff and self.method not in ("auto", *SECOND_ROOT_METHODS):
-            raise ValueError(f"draft_cutoff applies to the methods auto, {', '.join(SECOND_ROOT_METHODS)}, "
-                             f"not {self.method!r}")
-        if self.draft_cutoff and self.second_root:
-            raise ValueError("draft_cutoff and second_root do not combine (the second chain is verified at the "
-                             "full width); set one of them")
-        if self.draft_weights in QUANTIZED_DRAFT_WEIGHTS and (self.method in ("none", "ngram")
-                                                              or (self.drafter or "").lower() == "none"):
-            raise ValueError(f"draft_weights {self.draft_weights!r} quantizes a draft head; method {self.method!r} "
-                             f"with drafter {self.drafter!r} has none")
+    def _check_engine(self) -> ServeConfig:
         check_prefill_chunk(self.prefill_chunk, self.min_prompt_bucket)
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
-                             f"({self.prompt_lookup_max})")
         return self
+
+    @property
+    def mesh_shape(self) -> Mesh:
+        return parse_mesh(self.mesh)
+
+    def options(self) -> Options:
+        """The settings `load` takes (the shared Options fields of this config)."""
+        return Options(**self.model_dump(include=set(Options.model_fields)))
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> ServeConfig:
@@ -194,38 +136,12 @@ class ServeConfig(BaseModel):
 
 # Flags -> fields. Every flag defaults to None (= "not given"), so YAML values survive.
 _FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
-    (("--model",), dict(help="a .gguf file or an HF model directory (default: SmolLM2-135M-Instruct)")),
-    (("--served-model-name",), dict(help="model id reported by /v1/models and accepted in requests")),
-    (("--drafter",), dict(help=f"draft head directory, or 'none' (default: {DEFAULT_DRAFTER} if present)")),
-    (("--method",), dict(choices=("auto", "none", "eagle3", "peagle", "ngram", "eagle3+ngram", "peagle+ngram"))),
-    (("-k", "--num-draft-tokens"), dict(type=int)),
-    (("--prompt-lookup-min",), dict(type=int, help="smallest n-gram --method ngram matches (default 2)")),
-    (("--prompt-lookup-max",), dict(type=int, help="largest n-gram --method ngram matches (default 4)")),
-    (("--head-draft-tokens",), dict(type=int, help="X+ngram methods: drafts the head proposes where prompt "
-                                                   "lookup has no match (default: --num-draft-tokens)")),
-    (("--two-chains",), dict(action="store_const", const=True, help="X+ngram methods: verify the head's and "
-                                                                    "the lookup's drafts in one forward")),
-    (("--second-root",), dict(action="store_const", const=True, help="eagle3 / peagle: also verify the head's "
-                                                                      "second choice for the first draft")),
-    (("--draft-cutoff",), dict(type=float, help="eagle3 / peagle: verify only the leading drafts whose product of "
-                                                "head probabilities is >= this (0: all; default 0.1 on CPU)")),
-    (("--draft-weights",), dict(choices=DRAFT_WEIGHTS, help="the head's matmul weights (default "
-                                "auto: q4, 4-bit Linears and a 7-bit lm_head, where faster on CPU)")),
-    (("--dtype",), dict(choices=("float32", "bfloat16"))),
-    (("--attention",), dict(choices=("xla", "cpu", "triton", "mosaic", "auto"),
-                            help="cache-attention implementation (default: cpu where the matmuls run on the CPU "
-                                 "kernel, else xla)")),
-    (("--kv-cache-dtype",), dict(choices=("float32", "bfloat16", "float8_e4m3fn"))),
-    (("--fp8-weights",), dict(action="store_const", const=True, help="FP8 (e4m3) target linear weights")),
-    (("--matmul",), dict(choices=("auto", "xla", "cpu_kernel"), help="decode-sized matmuls (default auto: the "
-                                                                     "AVX2 kernel for bf16 on one CPU)")),
     (("--max-batch-size",), dict(type=int, help="concurrent sequences (batch slots)")),
     (("--max-model-len",), dict(type=int, help="prompt + completion tokens per request")),
     (("--max-queue-size",), dict(type=int, help="waiting requests before answering 429")),
     (("--max-prefill-batch",), dict(type=int)),
     (("--prefill-chunk",), dict(type=int, help="prompt tokens prefilled per engine step (default 256): longer "
                                                "prompts are prefilled in chunks between other sequences' rounds")),
-    (("--mesh",), dict(help="device mesh, e.g. data=1,model=1")),
     (("--seed",), dict(type=int)),
     (("--no-warmup",), dict(action="store_const", const=False, dest="warmup")),
     (("--compilation-cache-dir",), dict(help="persistent XLA compilation cache (restarts skip the compiles)")),
@@ -246,8 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="OpenAI-compatible server with P-EAGLE / EAGLE-3 speculative decoding.",
     )
     p.add_argument("--config", help="YAML file of settings (flags override it)")
+    add_option_flags(p)
+    server = p.add_argument_group("engine and HTTP server (peagle_jax.serve.config.ServeConfig)")
     for names, kw in _FLAGS:
-        p.add_argument(*names, default=None, **kw)
+        server.add_argument(*names, default=None, **kw)
     return p
 
 
@@ -262,8 +180,4 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None
 
 
 def format_validation_error(e: ValidationError) -> str:
-    lines = []
-    for err in e.errors():
-        loc = ".".join(str(x) for x in err.get("loc", ())) or "config"
-        lines.append(f"{loc}: {err.get('msg')}")
-    return "; ".join(lines)
+    return settings_error(e)

@@ -126,6 +126,7 @@ class GenRequest:
     slot: int | None = None
     first_token_time: float | None = None
     completion_tokens: int = 0
+    output_ids: list[int] = dataclasses.field(default_factory=list)  # the tokens emitted, in order
     accepted_tokens: int = 0
     target_forwards: int = 0
     spec_rounds: int = 0  # speculative rounds in which it could accept drafts
@@ -888,6 +889,7 @@ class Engine:
             if r.stopper.hit:
                 break
         r.completion_tokens += used
+        r.output_ids.extend(tokens[:used])
         self.metrics.generation_tokens.inc(used)
         text = "".join(out)
         if text:

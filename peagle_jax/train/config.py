@@ -32,7 +32,7 @@ class DataSection(_Frozen):
     # wrote to `generated_dir`; random: target-generated continuations of random prompts (tests).
     source: Literal["code", "chat", "selfdistill", "generated", "random"] = "code"
     chat_path: str | None = None  # JSONL with {"messages": [...]} or {"prompt", "response"}
-    generated_dir: str | None = None  # generate_data --out (answers_train.jsonl, answers_val.jsonl)
+    generated_dir: str | None = None  # a generate_data folder of shards (data/selfdistill/<model>)
     seq_len: int = 512  # packed row length (shifted elements)
     max_docs: int | None = None  # cap on training documents (None = all)
     max_doc_tokens: int = 2048  # documents are cut into chunks of at most this many tokens

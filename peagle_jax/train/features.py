@@ -76,15 +76,22 @@ def _rescale_random(model) -> None:
             var.set_value(x / 0.02 if name == "embed_tokens" else x / (0.02 * np.sqrt(x.shape[0])))
 
 
-def generated_docs(run_dir: str | None, split: str) -> list[Doc]:
-    """The target-written answers of a `generate_data` run (its resumable JSONL, any length)."""
-    if not run_dir:
-        raise ValueError("data.source=generated needs data.generated_dir (a generate_data --out directory)")
-    path = Path(run_dir) / f"answers_{split}.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist; write it first with: python -m "
-                                f"peagle_jax.train.generate_data --out {run_dir} --split {split}")
-    return read_selfdistill(path)
+def generated_docs(data_dir: str | None, split: str) -> list[Doc]:
+    """The target-written answers in a `generate_data` folder's shards (loss on the answers)."""
+    from peagle_jax.train.shards import read_records, shard_paths
+
+    if not data_dir:
+        raise ValueError("data.source=generated needs data.generated_dir (a generate_data folder, "
+                         "e.g. data/selfdistill/<model>)")
+    if not shard_paths(Path(data_dir), split):
+        raise FileNotFoundError(f"{data_dir} holds no {split} shards; write them first with: python -m "
+                                f"peagle_jax.train.generate_data --out {data_dir} --split {split}")
+    docs = []
+    for r in read_records(Path(data_dir), split):
+        toks = np.asarray([*r.prompt, *r.response], np.int32)
+        mask = np.concatenate([np.zeros(len(r.prompt), np.uint8), np.ones(len(r.response), np.uint8)])
+        docs.append(Doc(toks, mask, r.name if r.turn == 1 else f"{r.name}/turn{r.turn}"))
+    return docs
 
 
 def chunk_len(cfg: TrainConfig) -> int:

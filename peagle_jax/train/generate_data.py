@@ -1,41 +1,50 @@
-"""Self-distillation data: the target answers the prompt mix of `train/prompts.py`, resumably.
+"""Self-distillation data: the target answers the prompt mix of `train/prompts.py`, into
+committed shards (`train/shards.py`), resumably.
 
-  python -m peagle_jax.train.generate_data --out ../runs/sd_v3 [--split train|val]
-      [--target-tokens 3000000] [--batch 32] [--max-new-tokens 320] [--magpie 3000]
-      [--follow-up-share 0.2] [--model default] [--dtype bfloat16]
+  python -m peagle_jax.train.generate_data --model qwen2.5-coder-1.5b-instruct
+      [--out data/selfdistill/<model>] [--split train|val] [--target-tokens 1000000]
+      [--batch 16] [--max-new-tokens 320] [--shard-tokens 50000] [--magpie 3000]
+      [--follow-up-share 0.2] [--commit]
 
-Stages, each appending to a JSONL file in --out and resuming where a killed run stopped
-(a partial last line is dropped):
-  1. magpie_{split}.jsonl   user turns the instruct target writes itself: its chat template up
-                            to the user turn, sampled (T=1, top-p 0.95), deduplicated, filtered;
-  2. answers_{split}.jsonl  greedy answers to the offline prompts and the magpie turns, in a
-                            fixed shuffled order, until --target-tokens answer tokens;
-  3. the same file          a follow-up turn (`prompts.FOLLOW_UPS`) to a share of them.
-Records are {"name", "domain", "turn", "prompt": ids, "response": ids}, the format
-`peagle_jax.train.data.read_selfdistill` reads; `manifest_{split}.json` records the mix, the
-tokens per domain and the bytes per answer token. Greedy answers are what greedy serving sees;
-features are extracted afterwards by `peagle_jax.train.features` (a bf16 prefill, much faster
-than the decode that wrote the answers).
+Stages, each resuming from what the data folder already holds:
+  1. magpie_{split}.jsonl  user turns the instruct target writes itself: its chat template up
+                           to the user turn, sampled (T=1, top-p 0.95), deduplicated, filtered;
+  2. {split}-NNNNN.npz     greedy answers to the offline prompts and the magpie turns, in a
+                           fixed shuffled order, until --target-tokens answer tokens; the
+                           serving engine's continuous batching keeps --batch rows busy, and a
+                           shard is written each --shard-tokens answer tokens;
+  3. the same shards       a follow-up turn (`prompts.FOLLOW_UPS`) to a share of them.
+`manifest.json` records the mix, the tokens per domain, the settings and the target file's
+sha256. With --commit each new shard is committed to git as soon as it is written, so a killed
+run costs at most one shard. Greedy answers are what greedy serving sees; features are
+recomputed afterwards by `peagle_jax.train.features` (a bf16 prefill, much faster than the
+decode that wrote the answers).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+import queue
+import subprocess
+import sys
+import time
 import zlib
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from peagle_jax.train.prompts import FOLLOW_UPS, Prompt, build_prompts
+from peagle_jax.train.shards import Record, read_records, write_manifest, write_shard
 
-__all__ = ["generate_answers", "magpie_prompts", "main", "user_turn_prefix"]
+__all__ = ["answer_jobs", "generate_answers", "magpie_prompts", "main", "user_turn_prefix"]
 
-_WINDOW = 8  # batches sorted together by prompt length (fewer padded tokens, fewer buckets)
+_MAX_MODEL_LEN = 2048
 
 
-def _resume(path: Path) -> list[dict]:
+def _resume_jsonl(path: Path) -> list[dict]:
     """The complete records of a JSONL file; a partial last line (a killed run) is cut off."""
     if not path.exists():
         return []
@@ -46,7 +55,7 @@ def _resume(path: Path) -> list[dict]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
-def _append(path: Path, records: Sequence[dict]) -> None:
+def _append_jsonl(path: Path, records: Sequence[dict]) -> None:
     with open(path, "a") as fh:
         for r in records:
             fh.write(json.dumps(r) + "\n")
@@ -62,125 +71,240 @@ def user_turn_prefix(tokenizer) -> str:
     return rendered[: rendered.index(marker)]
 
 
+class _Answerer:
+    """Greedy answers through the serving engine: continuous batching keeps `batch` rows busy
+    (a finished answer's row takes the next prompt at once), unlike fixed batches that wait
+    for their longest answer."""
+
+    def __init__(self, llm, *, batch: int, max_new_tokens: int, max_model_len: int = _MAX_MODEL_LEN):
+        from peagle_jax.serve.engine import Engine
+
+        self.max_new_tokens = max_new_tokens
+        self.max_model_len = max_model_len = min(max_model_len, llm.target.config.max_position_embeddings)
+        self.engine = Engine(llm.target, None, llm.tokenizer, llm.eos_ids, method="none", max_batch_size=batch,
+                             max_model_len=max_model_len, max_queue_size=batch)
+        self.engine.start(warmup=False)  # compile the shapes the prompts need, when they need them
+
+    def run(self, jobs, on_done: Callable[[Record, str], bool], *, temperature: float = 0.0, top_p: float = 1.0,
+            seed: int = 0, max_new_tokens: int | None = None) -> None:
+        """Answer jobs [(prompt, turn, ids)] in order until they run out or `on_done(record,
+        finish reason)` returns True (enough tokens). Sampled jobs (temperature > 0) take the
+        seed `seed + their position`, so every attempt is a different draw."""
+        from peagle_jax.serve.engine import Failed, Finished, GenRequest, QueueFull
+
+        events: queue.Queue = queue.Queue()
+        new_tokens = max_new_tokens or self.max_new_tokens
+        pending = (j for j in jobs if len(j[2]) + new_tokens < self.max_model_len)
+        position = 0
+        in_flight: dict[int, tuple] = {}
+        stop = False
+        while True:
+            while not stop and len(in_flight) < 2 * self.engine.max_batch_size:
+                job = next(pending, None)
+                if job is None:
+                    break
+                req = GenRequest(list(job[2]), new_tokens, sink=None, temperature=temperature, top_p=top_p,
+                                 seed=seed + position if temperature > 0 else None)
+                position += 1
+                req.sink = lambda ev, rid=req.id: events.put((rid, ev))
+                try:
+                    self.engine.submit(req)
+                except QueueFull:
+                    pending = itertools.chain([job], pending)
+                    position -= 1
+                    break
+                in_flight[req.id] = (job, req)
+            if not in_flight:
+                return
+            rid, ev = events.get()
+            if isinstance(ev, Failed):
+                raise RuntimeError(f"the engine failed a request: {ev.message}")
+            if not isinstance(ev, Finished):
+                continue
+            (prompt, turn, ids), req = in_flight.pop(rid)
+            stop = on_done(Record(prompt.id, prompt.domain, turn, list(ids), list(req.output_ids)), ev.reason) or stop
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
 def magpie_prompts(llm, out: Path, count: int, *, batch: int, seed: int = 0, max_new_tokens: int = 96,
-                   log: Callable = print) -> list[Prompt]:
-    """`count` user turns the target writes from its own chat template (Magpie), resumable."""
-    done = _resume(out)
-    seen = {r["text"] for r in done}
+                   answerer: _Answerer | None = None, log: Callable = print) -> list[Prompt]:
+    """`count` user turns the target writes from its own chat template (Magpie), resumable:
+    every attempt is appended to `out` (kept or not), so a rerun goes on from the next seed."""
+    done = _resume_jsonl(out)
+    seen = {r["text"] for r in done if r.get("kept", True)}
     prefix = llm.encode(user_turn_prefix(llm.tokenizer))
-    attempt = len(done) // batch
-    while len(seen) < count and attempt < 4 * count // batch + 8:
-        res = llm.generate([prefix] * batch, temperature=1.0, top_p=0.95, max_new_tokens=max_new_tokens,
-                           seed=seed + attempt, method="none")
-        attempt += 1
-        fresh = []
-        for toks, reason in zip(res.tokens, res.finish_reasons, strict=True):
-            text = llm.decode(toks).strip()
-            if reason == "stop" and 15 <= len(text) <= 400 and text not in seen and "<|" not in text:
+    next_attempt = 1 + max((r.get("attempt", -1) for r in done), default=-1)
+    limit = 4 * count + 8 * batch
+    if len(seen) < count and next_attempt < limit:
+        own = answerer is None
+        answerer = answerer or _Answerer(llm, batch=batch, max_new_tokens=max_new_tokens)
+
+        def on_done(rec: Record, finish: str) -> bool:
+            text = llm.decode(rec.response).strip()
+            kept = finish == "stop" and 15 <= len(text) <= 400 and text not in seen and "<|" not in text
+            if kept:
                 seen.add(text)
-                fresh.append({"text": text})
-        _append(out, fresh)
-        log(f"magpie: {len(seen)}/{count} user turns")
-    return [Prompt(f"magpie/{zlib.crc32(r['text'].encode()):08x}", "magpie", r["text"]) for r in _resume(out)][:count]
+            _append_jsonl(out, [{"attempt": int(rec.name.split("/")[1]), "text": text, "kept": kept}])
+            if len(seen) % 100 == 0 and kept:
+                log(f"magpie: {len(seen)}/{count} user turns")
+            return len(seen) >= count
+
+        jobs = ((Prompt(f"attempt/{i}", "magpie", ""), 1, prefix) for i in range(next_attempt, limit))
+        try:
+            answerer.run(jobs, on_done, temperature=1.0, top_p=0.95, seed=seed, max_new_tokens=max_new_tokens)
+        finally:
+            if own:
+                answerer.close()
+    kept = [r for r in _resume_jsonl(out) if r.get("kept", True)][:count]
+    return [Prompt(f"magpie/{zlib.crc32(r['text'].encode()):08x}", "magpie", r["text"]) for r in kept]
 
 
 def _wants_follow_up(name: str, share: float) -> bool:
     return zlib.crc32(f"follow/{name}".encode()) % 1000 < share * 1000
 
 
-def generate_answers(llm, prompts: Sequence[Prompt], out: Path, *, target_tokens: int, batch: int,
-                     max_new_tokens: int, follow_up_share: float = 0.0, log: Callable = print) -> dict:
-    """Append greedy answers (first turns, then follow-ups) to `out` until `target_tokens`
-    answer tokens; returns the per-domain counts. Resumes from what `out` already holds."""
-    records = _resume(out)
-    done = {(r["name"], r["turn"]) for r in records}
-    tokens = sum(len(r["response"]) for r in records)
+def answer_jobs(llm, prompts: Sequence[Prompt], done: Sequence[Record], follow_up_share: float,
+                ) -> tuple[list[tuple[Prompt, int, list[int]]], list[tuple[Prompt, int, list[int]]]]:
+    """(first turns, follow-ups) still to answer, as (prompt, turn, prompt ids); follow-ups only
+    of first turns already answered. Prompts that leave no room for an answer are left out."""
+    answered = {(r.name, r.turn) for r in done}
     by_name = {p.id: p for p in prompts}
-    first = [[{"role": "user", "content": p.text}] for p in prompts]
-    jobs = [(p, 1, m) for p, m in zip(prompts, first, strict=True) if (p.id, 1) not in done]
-    tokens = _run(llm, jobs, out, tokens, target_tokens, batch, max_new_tokens, log)
-    if follow_up_share > 0:
-        firsts = [r for r in _resume(out) if r["turn"] == 1 and _wants_follow_up(r["name"], follow_up_share)]
-        jobs = []
-        for r in firsts:
-            if (r["name"], 2) in done or r["name"] not in by_name:
-                continue
-            ask = FOLLOW_UPS[zlib.crc32(r["name"].encode()) % len(FOLLOW_UPS)]
-            messages = [{"role": "user", "content": by_name[r["name"]].text},
-                        {"role": "assistant", "content": llm.decode(r["response"])},
-                        {"role": "user", "content": ask}]
-            jobs.append((by_name[r["name"]], 2, messages))
-        tokens = _run(llm, jobs, out, tokens, target_tokens * (1 + follow_up_share), batch, max_new_tokens, log)
-    return summarize(_resume(out))
+    firsts = [(p, 1, llm.encode_chat([{"role": "user", "content": p.text}]))
+              for p in prompts if (p.id, 1) not in answered]
+    follow = []
+    for r in done:
+        if r.turn != 1 or (r.name, 2) in answered or r.name not in by_name:
+            continue
+        if not _wants_follow_up(r.name, follow_up_share):
+            continue
+        ask = FOLLOW_UPS[zlib.crc32(r.name.encode()) % len(FOLLOW_UPS)]
+        messages = [{"role": "user", "content": by_name[r.name].text},
+                    {"role": "assistant", "content": llm.decode(r.response)},
+                    {"role": "user", "content": ask}]
+        follow.append((by_name[r.name], 2, llm.encode_chat(messages)))
+    return firsts, follow
 
 
-def _run(llm, jobs, out: Path, tokens: int, target_tokens: int | float, batch: int, max_new_tokens: int,
-         log: Callable) -> int:
-    """Answer `jobs` [(prompt, turn, messages)] in length-sorted batches; returns the token total."""
-    for w in range(0, len(jobs), batch * _WINDOW):
-        if tokens >= target_tokens:
-            break
-        window = [(p, turn, llm.encode_chat(m)) for p, turn, m in jobs[w : w + batch * _WINDOW]]
-        window = [j for j in window if len(j[2]) + max_new_tokens <= llm.target.config.max_position_embeddings]
-        window.sort(key=lambda j: len(j[2]))
-        for b in range(0, len(window), batch):
-            chunk = window[b : b + batch]
-            ids = [j[2] for j in chunk] + [chunk[-1][2]] * (batch - len(chunk))  # one batch shape
-            res = llm.generate(ids, method="none", max_new_tokens=max_new_tokens, temperature=0.0)
-            recs = [{"name": p.id, "domain": p.domain, "turn": turn, "prompt": pids, "response": r}
-                    for (p, turn, pids), r in zip(chunk, res.tokens, strict=False)]
-            _append(out, recs)
-            tokens += sum(len(r["response"]) for r in recs)
-            log(f"answers: {tokens} tokens ({tokens / target_tokens:.1%} of the target)")
-            if tokens >= target_tokens:
-                break
-    return tokens
+def generate_answers(llm, prompts: Sequence[Prompt], folder: Path, *, split: str = "train", target_tokens: int,
+                     batch: int, max_new_tokens: int, follow_up_share: float = 0.0, shard_tokens: int = 50_000,
+                     on_shard: Callable[[Path], None] = lambda p: None, answerer: _Answerer | None = None,
+                     log: Callable = print) -> dict:
+    """Answer first turns, then follow-ups, into shards of `folder` until `target_tokens` answer
+    tokens of first turns (and their share of follow-ups); resumes from the shards there.
+    Returns the per-domain counts of everything written."""
+    done = read_records(folder, split)
+    vocab = llm.target.config.vocab_size
+    buffer: list[Record] = []
+    total = sum(len(r.response) for r in done)
+    t0, fresh = time.perf_counter(), 0
+
+    def flush() -> None:
+        if buffer:
+            path = write_shard(folder, split, buffer, vocab)
+            done.extend(buffer)
+            buffer.clear()
+            on_shard(path)
+
+    def on_done(rec: Record, budget: float) -> bool:
+        nonlocal total, fresh
+        buffer.append(rec)
+        total += len(rec.response)
+        fresh += len(rec.response)
+        if sum(len(r.response) for r in buffer) >= shard_tokens:
+            flush()
+            log(f"answers: {total} tokens ({total / budget:.1%} of {budget:.0f}), "
+                f"{fresh / (time.perf_counter() - t0):.1f} answer tokens/s")
+        return total >= budget
+
+    own = answerer is None
+    answerer = answerer or _Answerer(llm, batch=batch, max_new_tokens=max_new_tokens)
+    try:
+        firsts, _ = answer_jobs(llm, prompts, done, follow_up_share)
+        if total < target_tokens:
+            answerer.run(firsts, lambda r, _: on_done(r, target_tokens))
+        flush()
+        if follow_up_share > 0:
+            budget = target_tokens * (1 + follow_up_share)
+            _, follow = answer_jobs(llm, prompts, done, follow_up_share)
+            if total < budget:
+                answerer.run(follow, lambda r, _: on_done(r, budget))
+            flush()
+    finally:
+        if own:
+            answerer.close()
+    from peagle_jax.train.shards import summarize
+
+    return summarize(done)
 
 
-def summarize(records: Sequence[dict]) -> dict:
-    conversations, answer_tokens, prompt_tokens = Counter(), Counter(), Counter()
-    for r in records:
-        conversations[r["domain"]] += r["turn"] == 1
-        answer_tokens[r["domain"]] += len(r["response"])
-        prompt_tokens[r["domain"]] += len(r["prompt"])
-    return {"conversations": dict(conversations), "answer_tokens": dict(answer_tokens),
-            "prompt_tokens": dict(prompt_tokens), "follow_ups": sum(r["turn"] == 2 for r in records),
-            "total_answer_tokens": sum(answer_tokens.values())}
+def _git_commit(folder: Path, message: str, attempts: int = 5) -> None:
+    """Commit the data folder (the new shard and the manifest) and nothing else. A busy index
+    (another git command) is retried; a commit that still fails is reported, not fatal: the
+    shard stays on disk and the next one's commit takes it along."""
+    for i in range(attempts):
+        add = subprocess.run(["git", "add", "--", str(folder)], capture_output=True, text=True)
+        done = add.returncode == 0 and subprocess.run(
+            ["git", "commit", "-q", "-m", message, "--", str(folder)], capture_output=True, text=True).returncode == 0
+        if done:
+            return
+        time.sleep(2.0 * (i + 1))
+    print(f"generate_data: could not commit {folder} ({message}); it stays on disk", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m peagle_jax.train.generate_data", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="run directory (outside the repo; reruns resume)")
+    ap.add_argument("--model", default="default", help="a model name or path (as `load`'s)")
+    ap.add_argument("--out", default=None, help="data folder (default data/selfdistill/<model name>); reruns resume")
     ap.add_argument("--split", choices=("train", "val"), default="train")
-    ap.add_argument("--target-tokens", type=int, default=3_000_000, help="answer tokens to write (first turns)")
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--target-tokens", type=int, default=1_000_000, help="answer tokens to write (first turns)")
+    ap.add_argument("--batch", type=int, default=16, help="engine rows kept busy (measure the fastest)")
     ap.add_argument("--max-new-tokens", type=int, default=320)
+    ap.add_argument("--shard-tokens", type=int, default=50_000, help="answer tokens per shard")
     ap.add_argument("--magpie", type=int, default=3000, help="self-written user turns to add (0: none)")
     ap.add_argument("--follow-up-share", type=float, default=0.2)
-    ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--commit", action="store_true", help="git-commit each shard as soon as it is written")
     a = ap.parse_args(argv)
-    if a.batch < 1 or a.max_new_tokens < 1 or a.target_tokens < 1 or not 0 <= a.follow_up_share <= 1:
-        ap.error("--batch, --max-new-tokens and --target-tokens must be >= 1; --follow-up-share in [0, 1]")
-    from peagle_jax.api import load
+    if min(a.batch, a.max_new_tokens, a.target_tokens, a.shard_tokens) < 1 or not 0 <= a.follow_up_share <= 1:
+        ap.error("--batch, --max-new-tokens, --target-tokens and --shard-tokens must be >= 1; "
+                 "--follow-up-share in [0, 1]")
+    import jax
 
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    from peagle_jax.api import load
+    from peagle_jax.checkpoints.known_models import file_sha256, model_cache_dir
+
+    # A resumed run loads its compiled programs instead of compiling them again.
+    jax.config.update("jax_compilation_cache_dir", str(model_cache_dir() / "xla"))
     llm = load(a.model, method="none", dtype=a.dtype)
+    answerer = _Answerer(llm, batch=a.batch, max_new_tokens=a.max_new_tokens)
+    folder = Path(a.out) if a.out else Path("data/selfdistill") / llm.model_name
+    folder.mkdir(parents=True, exist_ok=True)
     prompts = build_prompts(a.split, seed=a.seed)
     magpie = a.magpie if a.split == "train" else a.magpie // 20
     if magpie:
-        prompts = _interleave(prompts, magpie_prompts(llm, out / f"magpie_{a.split}.jsonl", magpie,
-                                                      batch=a.batch, seed=a.seed))
-    summary = generate_answers(llm, prompts, out / f"answers_{a.split}.jsonl", target_tokens=a.target_tokens,
-                               batch=a.batch, max_new_tokens=a.max_new_tokens, follow_up_share=a.follow_up_share)
-    path = out / f"answers_{a.split}.jsonl"
-    summary.update(bytes_per_answer_token=path.stat().st_size / max(summary["total_answer_tokens"], 1),
-                   mix=dict(Counter(p.domain for p in prompts)), settings=vars(a), model=str(llm.model_path))
-    tmp = out / f"manifest_{a.split}.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2))
-    tmp.replace(out / f"manifest_{a.split}.json")
+        prompts = _interleave(prompts, magpie_prompts(llm, folder / f"magpie_{a.split}.jsonl", magpie,
+                                                      batch=a.batch, seed=a.seed, answerer=answerer))
+        if a.commit:
+            _git_commit(folder, f"data: {llm.model_name} magpie user turns ({a.split})")
+    header = {"model": llm.model_name, "model_file": llm.model_path.name, "model_sha256": file_sha256(llm.model_path),
+              "python": sys.version.split()[0], "settings": {k: v for k, v in vars(a).items() if k != "commit"},
+              "mix": dict(Counter(p.domain for p in prompts)),
+              "command": "python -m peagle_jax.train.generate_data " + " ".join(argv or sys.argv[1:])}
+
+    def on_shard(path: Path) -> None:
+        manifest = write_manifest(folder, header)
+        if a.commit:
+            _git_commit(folder, f"data: {llm.model_name} {path.name} "
+                        f"({manifest[a.split]['total_answer_tokens']} {a.split} answer tokens)")
+
+    summary = generate_answers(llm, prompts, folder, split=a.split, target_tokens=a.target_tokens, batch=a.batch,
+                               max_new_tokens=a.max_new_tokens, follow_up_share=a.follow_up_share,
+                               shard_tokens=a.shard_tokens, on_shard=on_shard, answerer=answerer)
+    answerer.close()
+    write_manifest(folder, header)
     print(json.dumps(summary["answer_tokens"]), summary["total_answer_tokens"])
     return 0
 
