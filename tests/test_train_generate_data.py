@@ -127,3 +127,13 @@ def test_generated_answers_feed_training_documents(llm, tmp_path):
         assert d.loss_mask.tolist() == [0] * len(r.prompt) + [1] * len(r.response)
     with pytest.raises(FileNotFoundError, match="generate_data --out .* --split val"):
         load_documents(cfg, "val", llm.target, llm.tokenizer, llm.eos_ids)
+
+
+def test_self_written_user_turns_are_english_prose():
+    from peagle_jax.train.generate_data import good_user_turn
+
+    assert good_user_turn("How do I sort a dictionary by its values in Python?")
+    assert good_user_turn("def add(a, b):\n    return a + b\n\nWhy does this fail for strings?")
+    for bad in ["static_cast也是一个提升可读性的辅助工具吗？", "#include <vector>\nint main() {}", "short",
+                "<|im_start|>user something long enough", "x" * 401]:
+        assert not good_user_turn(bad), bad

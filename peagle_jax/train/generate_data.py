@@ -39,7 +39,7 @@ from pathlib import Path
 from peagle_jax.train.prompts import FOLLOW_UPS, Prompt, build_prompts
 from peagle_jax.train.shards import Record, read_records, write_manifest, write_shard
 
-__all__ = ["answer_jobs", "generate_answers", "magpie_prompts", "main", "user_turn_prefix"]
+__all__ = ["answer_jobs", "generate_answers", "good_user_turn", "magpie_prompts", "main", "user_turn_prefix"]
 
 _MAX_MODEL_LEN = 2048
 
@@ -128,12 +128,21 @@ class _Answerer:
         self.engine.shutdown()
 
 
+def good_user_turn(text: str) -> bool:
+    """A self-written user turn worth answering: 15-400 characters, English prose (it starts
+    with a letter and at most 5% of it is non-ASCII: a Qwen target's Magpie turns are often
+    Chinese or stray code, and the evaluation prompts are English), no template tokens."""
+    if not 15 <= len(text) <= 400 or "<|" in text or not text[0].isalpha():
+        return False
+    return sum(not c.isascii() for c in text) <= 0.05 * len(text)
+
+
 def magpie_prompts(llm, out: Path, count: int, *, batch: int, seed: int = 0, max_new_tokens: int = 96,
                    answerer: _Answerer | None = None, log: Callable = print) -> list[Prompt]:
     """`count` user turns the target writes from its own chat template (Magpie), resumable:
     every attempt is appended to `out` (kept or not), so a rerun goes on from the next seed."""
     done = _resume_jsonl(out)
-    seen = {r["text"] for r in done if r.get("kept", True)}
+    seen = {r["text"] for r in done if r["kept"] and good_user_turn(r["text"])}
     prefix = llm.encode(user_turn_prefix(llm.tokenizer))
     next_attempt = 1 + max((r.get("attempt", -1) for r in done), default=-1)
     limit = 4 * count + 8 * batch
@@ -142,8 +151,8 @@ def magpie_prompts(llm, out: Path, count: int, *, batch: int, seed: int = 0, max
         answerer = answerer or _Answerer(llm, batch=batch, max_new_tokens=max_new_tokens)
 
         def on_done(rec: Record, finish: str) -> bool:
-            text = llm.decode(rec.response).strip()
-            kept = finish == "stop" and 15 <= len(text) <= 400 and text not in seen and "<|" not in text
+            text = llm.decode(rec.response).replace("\ufeff", "").strip()
+            kept = finish == "stop" and good_user_turn(text) and text not in seen
             if kept:
                 seen.add(text)
             _append_jsonl(out, [{"attempt": int(rec.name.split("/")[1]), "text": text, "kept": kept}])
@@ -157,7 +166,7 @@ def magpie_prompts(llm, out: Path, count: int, *, batch: int, seed: int = 0, max
         finally:
             if own:
                 answerer.close()
-    kept = [r for r in _resume_jsonl(out) if r.get("kept", True)][:count]
+    kept = [r for r in _resume_jsonl(out) if r["kept"] and good_user_turn(r["text"])][:count]
     return [Prompt(f"magpie/{zlib.crc32(r['text'].encode()):08x}", "magpie", r["text"]) for r in kept]
 
 
