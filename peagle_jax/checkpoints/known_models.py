@@ -53,7 +53,8 @@ KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (
                sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
                heads=(("peagle", "qwen2.5-coder-1.5b-peagle"), ("eagle3", "qwen2.5-coder-1.5b-eagle3"))),
     KnownModel("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-0.5b-instruct-awq-q4.gguf", _QWEN05_PARTS, _QWEN05_PIP,
-               sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+               sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+               heads=(("peagle", "qwen2.5-coder-0.5b-peagle"), ("eagle3", "qwen2.5-coder-0.5b-eagle3"))),
 )}
 
 

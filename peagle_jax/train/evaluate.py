@@ -1,6 +1,6 @@
 """Greedy acceptance of a trained head on held-out prompts.
 
-    python -m peagle_jax.train.evaluate --run_dir /work/runs/peagle_smollm2 [--head EXPORTED_DIR] \
+    python -m peagle_jax.train.evaluate --run_dir ../runs/peagle_smollm2 [--head EXPORTED_DIR] \
         [--num_draft_tokens 5] [--prompts 16] [--max_new_tokens 128] [--batch 8]
 
 Prompts are the validation split of the self-distillation prompts (stdlib functions held out

@@ -1,6 +1,6 @@
 """Export a trained run to drafter checkpoints (AWS and/or speculators layout).
 
-    python -m peagle_jax.train.export --run_dir /work/runs/peagle_smollm2 --out /work/runs/peagle_smollm2/export \
+    python -m peagle_jax.train.export --run_dir ../runs/peagle_smollm2 --out ../runs/peagle_smollm2/export \
         [--layout both|aws|speculators] [--dtype bfloat16|float32] [--step N]
     python -m peagle_jax.train.export --head OLD_HEAD_DIR --out NEW_DIR [--model default] [--layout aws]
         [--vocab-from DATA_DIR [--draft-vocab-size N]]

@@ -1,6 +1,6 @@
 """Write `manifest.json` beside an exported head: how it was made and how good it is.
 
-    python -m peagle_jax.train.manifest --run_dir /work/runs/peagle_smollm2 --head assets/heads/smollm2-135m-peagle \
+    python -m peagle_jax.train.manifest --run_dir ../runs/peagle_smollm2 --head assets/heads/smollm2-135m-peagle \
         --command "python -m peagle_jax.train.train --config configs/train/peagle_smollm2.yaml ..." [--val_batches 8]
 
 Records the exact command and resolved config, data sources and token counts, steps, wall
