@@ -142,3 +142,40 @@ def test_compilation_cache_dir_flag():
     args = build_parser().parse_args(["--compilation-cache-dir", "/tmp/xla-cache"])
     assert config_from_args(args, env={}).compilation_cache_dir == "/tmp/xla-cache"
     assert config_from_args(build_parser().parse_args([]), env={}).compilation_cache_dir is None
+
+
+def _stop_reference(stops, deltas):
+    """The stop-string semantics by brute force: of the stop strings ending in a delta, the one
+    that starts first; a tail that could begin a stop string is held back."""
+    text, sent, out = "", 0, []
+    for d in deltas:
+        start = max(0, len(text) - max(map(len, stops)) + 1)
+        text += d
+        found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+        if found:
+            text = text[: min(found)]
+            out.append(text[sent:])
+            return out, True
+        held = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        upto = max(sent, len(text) - held)
+        out.append(text[sent:upto])
+        sent = upto
+    out.append(text[sent:])
+    return out, False
+
+
+def test_stop_strings_match_the_brute_force_semantics():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(400):
+        alphabet = "ab\nxé"
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 6))]
+        deltas = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 5))) for _ in range(rng.randint(1, 8))]
+        s = StopStrings(stops)
+        got = [s.add(d) for d in deltas]
+        ref, hit = _stop_reference(stops, deltas)
+        steps = ref if hit else ref[:-1]  # what each delta released, in order
+        assert s.hit == hit and got[: len(steps)] == steps and not any(got[len(steps):]), (stops, deltas)
+        assert ("" if s.hit else s.flush()) == ("" if hit else ref[-1])
+        assert s.text == ("".join(ref) if hit else "".join(deltas))

@@ -107,10 +107,13 @@ class ServeConfig(Options):
         extra = [] if self.host in _WILDCARD_BINDS or self.host in LOOPBACK_HOSTS else [self.host]
         return list(LOOPBACK_HOSTS) + extra
 
-    @field_validator("api_key", mode="before")
+    @field_validator("api_key")
     @classmethod
-    def _empty_is_none(cls, v: Any) -> Any:
-        return None if isinstance(v, str) and not v.strip() else v
+    def _api_key(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("api_key is empty, which would turn authentication off: omit it to serve without a "
+                             "key, or give a non-empty key")
+        return v
 
     @model_validator(mode="after")
     def _check_engine(self) -> ServeConfig:

@@ -12,6 +12,7 @@ stop string, so a stream never shows text that a later token turns into a stop.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 
 REPLACEMENT = "\ufffd"
@@ -50,6 +51,46 @@ class IncrementalDetokenizer:
         return full[len(prefix_text) :] if len(full) > len(prefix_text) else ""
 
 
+class _StopAutomaton:
+    """Aho-Corasick over the stop strings: one step per generated character, whatever their
+    number, where searching each string in the new text cost time per string per token (40,000
+    stop strings stalled every stream in the batch: issue #49)."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.goto: list[dict[str, int]] = [{}]
+        self.depth = [0]
+        self.fail = [0]
+        self.longest = [0]  # the longest stop string ending at this node (0: none)
+        for stop in stops:
+            node = 0
+            for ch in stop:
+                nxt = self.goto[node].get(ch)
+                if nxt is None:
+                    nxt = len(self.goto)
+                    self.goto[node][ch] = nxt
+                    self.goto.append({})
+                    self.depth.append(self.depth[node] + 1)
+                    self.fail.append(0)
+                    self.longest.append(0)
+                node = nxt
+            self.longest[node] = len(stop)
+        queue = deque(self.goto[0].values())
+        while queue:  # breadth first: a node's failure link is shallower, so already final
+            node = queue.popleft()
+            for ch, child in self.goto[node].items():
+                f = self.fail[node]
+                while f and ch not in self.goto[f]:
+                    f = self.fail[f]
+                self.fail[child] = self.goto[f].get(ch, 0)
+                self.longest[child] = self.longest[child] or self.longest[self.fail[child]]
+                queue.append(child)
+
+    def step(self, node: int, ch: str) -> int:
+        while node and ch not in self.goto[node]:
+            node = self.fail[node]
+        return self.goto[node].get(ch, 0)
+
+
 class StopStrings:
     """Tracks generated text against stop strings; hands out the text that is safe to send."""
 
@@ -58,37 +99,36 @@ class StopStrings:
         self.text = ""  # generated text so far (truncated at the stop string once hit)
         self.sent = 0  # characters already released
         self.hit = False
+        self._automaton = _StopAutomaton(self.stops) if self.stops else None
+        self._node = 0  # the longest tail of `text` that begins a stop string
 
     def add(self, delta: str) -> str:
-        """Add text; returns the part that can be released now. Sets `hit` on a stop string."""
+        """Add text; returns the part that can be released now. Sets `hit` on a stop string:
+        of the stop strings that end in this delta, the one that starts first."""
         if self.hit or not delta:
             return ""
-        if not self.stops:
+        if self._automaton is None:
             self.text += delta
             self.sent = len(self.text)
             return delta
-        start = max(0, len(self.text) - max(len(s) for s in self.stops) + 1)
+        auto, node, first = self._automaton, self._node, None
+        end = len(self.text)
+        for i, ch in enumerate(delta):
+            node = auto.step(node, ch)
+            if auto.longest[node]:
+                start = end + i + 1 - auto.longest[node]
+                first = start if first is None else min(first, start)
         self.text += delta
-        found = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-        if found:
+        self._node = node
+        if first is not None:
             self.hit = True
-            self.text = self.text[: min(found)]
+            self.text = self.text[:first]
             return self._release(len(self.text))
-        return self._release(len(self.text) - self._held_back())
+        return self._release(len(self.text) - auto.depth[node])
 
     def flush(self) -> str:
         """At the end of generation, release everything held back."""
         return self._release(len(self.text))
-
-    def _held_back(self) -> int:
-        """Length of the longest tail of `text` that is a proper prefix of a stop string."""
-        best = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.text)), best, -1):
-                if self.text.endswith(s[:k]):
-                    best = k
-                    break
-        return best
 
     def _release(self, upto: int) -> str:
         upto = max(upto, self.sent)

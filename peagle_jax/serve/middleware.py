@@ -76,8 +76,13 @@ def host_allowed(host_header: str | None, allowed: Sequence[str] | None) -> bool
     return False
 
 
+def _is_json(headers: Headers) -> bool:
+    media = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
 class RequestGate:
-    """Host check, API key and body-size limit in front of everything else."""
+    """Host check, API key, JSON content type and body-size limit in front of everything else."""
 
     def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int,
                  allowed_hosts: Sequence[str] | None):
@@ -95,6 +100,13 @@ class RequestGate:
             return await _reply(send, 401, ErrorBody.of(
                 "invalid or missing API key (send 'Authorization: Bearer <key>')", "authentication_error", None,
                 "invalid_api_key"), {"WWW-Authenticate": "Bearer"})
+        if scope.get("method") == "POST" and scope.get("path", "").startswith("/v1/") and not _is_json(headers):
+            # A browser page may POST text/plain or a form anywhere without asking first (no CORS
+            # preflight); only a JSON body is an API call, so such a page cannot make a keyless
+            # server generate.
+            return await _reply(send, 415, ErrorBody.of(
+                "the request body must be JSON: send 'Content-Type: application/json'", "invalid_request_error",
+                None, "unsupported_media_type"))
         length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
             return await _reply(send, 413, self._too_large())

@@ -11,6 +11,18 @@ Number = StrictFloat | StrictInt
 
 MAX_TEMPERATURE = 100.0
 INT32_MAX = 2**31 - 1
+#: Bounds on a request's stop strings: the matcher's cost per token does not grow with them
+#: (`detokenize.StopStrings`), but building it does, on the engine thread all requests share.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 4096
+
+
+def _check_text(text: str, what: str) -> None:
+    """Text must be valid Unicode: a lone surrogate (JSON's "\\ud800") cannot be tokenized."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} must be valid Unicode; found a lone surrogate at character {e.start}") from None
 
 
 class StreamOptions(BaseModel):
@@ -31,6 +43,7 @@ class SamplingRequest(BaseModel):
     top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
     # The engine holds top_k in int32; anything >= the vocabulary means "off" there anyway.
     top_k: Annotated[StrictInt, Field(ge=-1, le=INT32_MAX)] | None = None
+    # Reproducible per request whatever shares its batch; the engine's key takes it mod 2**32.
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
@@ -54,6 +67,8 @@ class SamplingRequest(BaseModel):
     ignore_eos: Any = None
     repetition_penalty: Any = None
     stop_token_ids: Any = None
+    top_logprobs: Any = None
+    parallel_tool_calls: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -63,6 +78,11 @@ class SamplingRequest(BaseModel):
         v = [v] if isinstance(v, str) else v
         if any(s == "" for s in v):
             raise ValueError("stop strings must be non-empty")
+        if len(v) > MAX_STOP_STRINGS or sum(map(len, v)) > MAX_STOP_CHARS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings of {MAX_STOP_CHARS} characters in all are "
+                             f"accepted, got {len(v)} of {sum(map(len, v))}")
+        for s in v:
+            _check_text(s, "stop strings")
         return v
 
     @property
@@ -79,8 +99,8 @@ class SamplingRequest(BaseModel):
         for name, neutral in _NEUTRAL_VALUES.items():
             val = getattr(self, name)
             if val is not None and not any(val == v and type(val) is type(v) for v in neutral):
-                shown = ", ".join(repr(v) for v in neutral) or "nothing"
-                return name, f"{name} is not supported by this server (accepted: omitted, null or {shown})"
+                shown = "".join(f", {v!r}" for v in neutral[:-1]) + (f" or {neutral[-1]!r}" if neutral else "")
+                return name, f"{name} is not supported by this server (accepted: omitted, null{shown})"
         return None
 
 
@@ -100,6 +120,8 @@ _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "min_tokens": (0,),
     "ignore_eos": (False,),
     "stop_token_ids": ([],),
+    "top_logprobs": (0,),
+    "parallel_tool_calls": (),  # no tools are served, so no value of it can take effect
 }
 
 
@@ -110,11 +132,30 @@ class CompletionRequest(SamplingRequest):
     echo: StrictBool = False
     suffix: StrictStr | None = None
 
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        for p in [v] if isinstance(v, str) else v:
+            if isinstance(p, str):
+                _check_text(p, "prompt")
+        return v
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: StrictStr | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v):
+        if isinstance(v, str):
+            _check_text(v, "message content")
+        elif isinstance(v, list):
+            for part in v:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    _check_text(part["text"], "message content")
+        return v
 
     def text(self) -> str:
         if self.content is None:
