@@ -68,3 +68,40 @@ def test_a_keyless_server_takes_only_json_bodies():
         r = httpx.post(url + "/v1/completions", content=body, headers={"Content-Type": "application/json; "
                                                                                        "charset=utf-8"}, timeout=300)
         assert r.status_code == 200
+
+
+def test_a_prompt_too_big_for_any_tokenization_is_refused_before_tokenizing():
+    target, drafter, tok, eos = _tiny_models()
+    config = ServeConfig(max_batch_size=1, max_model_len=MAX_LEN, num_draft_tokens=2, warmup=False,
+                         served_model_name=MODEL)
+    app = create_app(config, target=target, drafter=drafter, tokenizer=tok, eos_ids=eos)
+    ctx = app.state.context
+    encoded = []
+    real_encode, real_chat = ctx.encode_text, ctx.encode_chat
+    object.__setattr__(ctx, "encode_text", lambda text: encoded.append(len(text)) or real_encode(text))
+    object.__setattr__(ctx, "encode_chat", lambda messages: encoded.append(-1) or real_chat(messages))
+    huge = "word " * 800_000  # 4 MB
+    with serve_in_thread(app) as url:
+        for path, body, param in (("/v1/completions", {"prompt": huge}, "prompt"),
+                                  ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]},
+                                   "messages")):
+            r = httpx.post(url + path, json={"model": MODEL, **body}, timeout=60)
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == param
+        assert encoded == []  # never tokenized
+        # A busy tokenizer copy (a long prompt being encoded) does not hold up another request.
+        with ctx._tokenizer():
+            r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
+                           timeout=300)
+            assert r.status_code == 200 and encoded == [2]
+
+
+def test_requests_that_can_never_fit_or_ask_too_many_drafts_name_the_field():
+    target, drafter, tok, eos = _tiny_models()
+    config = ServeConfig(max_batch_size=1, max_model_len=MAX_LEN, num_draft_tokens=2, max_queue_size=2,
+                         warmup=False, served_model_name=MODEL)
+    with serve_in_thread(create_app(config, target=target, drafter=drafter, tokenizer=tok, eos_ids=eos)) as url:
+        for extra, param in (({"prompt": "hi", "n": 4}, "n"), ({"prompt": ["a", "b", "c", "d"]}, "prompt"),
+                             ({"prompt": "hi", "num_speculative_tokens": 3}, "num_speculative_tokens")):
+            r = httpx.post(url + "/v1/completions", json={"model": MODEL, "max_tokens": 1, **extra}, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)

@@ -25,6 +25,11 @@ _DISCONNECT_POLL_S = 0.25
 RETRY_AFTER_S = 1
 
 
+# The request field an engine check names first in its message (`Engine.check_request`).
+_PARAMS = {"num_speculative_tokens": "num_speculative_tokens", "max_new_tokens": "max_tokens",
+           "temperature": "temperature", "top_k": "top_k", "top_p": "top_p"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Generation:
     """The engine requests of one API call, one per (prompt, choice) in choice-index order; the
@@ -61,6 +66,11 @@ def start_generation(engine: Engine, prompts: list[list[int]], budgets: list[int
         for choice in range(n):
             requests.append(settings.for_choice(choice).gen_request(ids, budget, sink_for(len(requests))))
     generation = Generation(engine, requests, events, sum(len(p) for p in prompts))
+    capacity = engine.max_batch_size + engine.max_queue_size
+    if len(requests) > capacity:  # never fits, however long the client waits: not a 429 to retry
+        raise APIError(400, f"{len(prompts)} prompts x n={n} = {len(requests)} sequences can never fit this server's "
+                       f"{engine.max_batch_size} slots and queue of {engine.max_queue_size}",
+                       param="n" if n > 1 else "prompt", code="invalid_value")
     try:
         engine.submit_all(requests)  # every prompt x choice counts against the queue, atomically
     except QueueFull as e:
@@ -69,7 +79,8 @@ def start_generation(engine: Engine, prompts: list[list[int]], budgets: list[int
     except EngineStopped as e:
         raise APIError(503, str(e), code="shutting_down", type="server_error") from e
     except ValueError as e:  # a setting the engine's arrays cannot hold: this request's fault only
-        raise APIError(400, str(e), code="invalid_value") from e
+        field = str(e).split(" ", 1)[0]
+        raise APIError(400, str(e), param=_PARAMS.get(field), code="invalid_value") from e
     return generation
 
 

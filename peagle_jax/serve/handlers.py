@@ -19,7 +19,7 @@ from peagle_jax.serve.context import ServerContext, get_context
 from peagle_jax.serve.errors import APIError
 from peagle_jax.serve.generation import Generation, collect, start_generation
 from peagle_jax.serve.protocol import ChatCompletionRequest, CompletionRequest
-from peagle_jax.serve.request_checks import check_model_and_options, prompt_budget
+from peagle_jax.serve.request_checks import check_model_and_options, check_prompt_bytes, prompt_budget
 from peagle_jax.serve.responses import (
     ChatChunks,
     ChatCompletion,
@@ -106,10 +106,11 @@ async def _respond(generation: Generation, request: Request, shapes: ChunkFactor
 async def _completion_prompts(req: CompletionRequest, ctx: ServerContext) -> list[list[int]]:
     """Token ids per prompt: `prompt` is one text, a batch of texts, or one pre-tokenized prompt.
     Tokenizing runs in the thread pool: long prompts must not stall the event loop."""
-    if isinstance(req.prompt, str):
-        prompts = [await run_in_threadpool(ctx.encode_text, _utf8_text(req.prompt))]
-    elif req.prompt and isinstance(req.prompt[0], str):
-        prompts = [await run_in_threadpool(ctx.encode_text, _utf8_text(p)) for p in req.prompt]
+    if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], str)):
+        texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        for text in texts:
+            check_prompt_bytes(ctx, len(_utf8_text(text).encode("utf-8")), "prompt")
+        prompts = [await run_in_threadpool(ctx.encode_text, text) for text in texts]
     else:
         prompts = [list(req.prompt)]
     if not prompts:
@@ -134,6 +135,7 @@ async def _chat_prompt(req: ChatCompletionRequest, ctx: ServerContext) -> list[i
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     except ValueError as e:
         raise APIError(400, str(e), param="messages", code="invalid_value") from e
+    check_prompt_bytes(ctx, sum(len(m["content"].encode("utf-8")) for m in messages), "messages")
     try:
         return await run_in_threadpool(ctx.encode_chat, messages)
     except Exception as e:  # template errors (e.g. roles the template rejects)

@@ -7,7 +7,7 @@ from peagle_jax.serve.context import ServerContext
 from peagle_jax.serve.errors import APIError
 from peagle_jax.serve.protocol import SamplingRequest
 
-__all__ = ["check_model_and_options", "prompt_budget"]
+__all__ = ["check_model_and_options", "check_prompt_bytes", "prompt_budget"]
 
 
 def check_model_and_options(req: SamplingRequest, ctx: ServerContext) -> None:
@@ -40,3 +40,13 @@ def prompt_budget(ctx: ServerContext, ids: list[int], max_tokens: int | None, pa
                        f"tokens + {max_tokens} max_tokens were requested", param=max_param,
                        code="context_length_exceeded")
     return max_tokens
+
+
+def check_prompt_bytes(ctx: ServerContext, text_bytes: int, param: str) -> None:
+    """Refuse, before tokenizing it, a prompt of `text_bytes` bytes that cannot fit the context
+    however it tokenizes (tokenizing 3.9 MB took seconds, to learn it did not fit)."""
+    fewest = ctx.min_tokens(text_bytes)
+    if fewest >= ctx.max_model_len:
+        raise APIError(400, f"{param} is {text_bytes} bytes: at least {fewest} tokens, and this model's maximum "
+                       f"context length is {ctx.max_model_len} tokens (prompt + completion)", param=param,
+                       code="context_length_exceeded")
