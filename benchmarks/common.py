@@ -168,9 +168,9 @@ def machine_info() -> dict[str, Any]:
     try:  # hosts differ from session to session: say which CPU and which kernel loops ran
         cpuinfo = open("/proc/cpuinfo").read().splitlines()
         info["cpu_model"] = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
-        import kernels_cpu
+        from peagle_jax.kernels import cpu
 
-        info["cpu_kernel"] = kernels_cpu.instruction_set() if kernels_cpu.available() else "unavailable"
+        info["cpu_kernel"] = cpu.instruction_set() if cpu.available() else "unavailable"
     except Exception as e:  # noqa: BLE001
         info.setdefault("cpu_model", repr(e))
     import importlib.metadata

@@ -21,7 +21,6 @@ default for bf16 on CPU), in the default step setting (option on, row-wise atten
 from __future__ import annotations
 
 import argparse
-import importlib
 import itertools
 from pathlib import Path
 from typing import Any
@@ -56,13 +55,9 @@ def time_forwards(target, rows: list[int], context: int, repeats: int, *, fusion
 
     from peagle_jax.generate.speculative import cache_capacity
     from peagle_jax.generate.steps import STEP_COMPILER_OPTIONS
+    from peagle_jax.kernels.attention import rowwise_rows
 
-    # The module, not the `cache_attention` function kernels_pallas exports under its name.
-    attention = importlib.import_module("kernels_pallas.cache_attention")
-
-    saved = attention.ROWWISE_MAX_ROWS
-    attention.ROWWISE_MAX_ROWS = 16 if rowwise else 0  # read at trace time
-    try:
+    with rowwise_rows(16 if rowwise else 0):  # read at trace time
         gdef, state = nnx.split(target)
 
         def forward(state, tokens, positions, cache):
@@ -83,8 +78,6 @@ def time_forwards(target, rows: list[int], context: int, repeats: int, *, fusion
             logits[r] = np.asarray(out[0][0, 0])
             ms[r] = common.median_ms(fwd, state, tokens, positions, cache, repeats=repeats, warmup=0)
         return ms, logits
-    finally:
-        attention.ROWWISE_MAX_ROWS = saved
 
 
 def run(args) -> dict[str, Any]:

@@ -21,7 +21,6 @@ that fail, are recorded as skipped with the reason; a time budget stops starting
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import os
@@ -35,26 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.cache_attention import (
-    _gpu_compute_capability,
-    cache_attention_reference,
-)
-from kernels_pallas.cache_attention_mosaic import cache_attention_mosaic
-from kernels_pallas.cache_attention_triton import cache_attention_triton
-from kernels_pallas.fp8 import quantize_kv
+from peagle_jax.kernels import quantize_kv
+from peagle_jax.kernels.attention import backend, gpu_compute_capability
 
 PEAK_BYTES_PER_S = 4.8e12  # H200 HBM3e, vendor datasheet
 L2_ROTATE_BYTES = 256 << 20  # rotate caches until this many bytes separate two reads of one
-
-
-def _impl_fn(name: str, interpret: bool):
-    if name == "xla":
-        return cache_attention_reference
-    if name == "triton":
-        return functools.partial(cache_attention_triton, interpret=interpret)
-    if name == "mosaic":
-        return functools.partial(cache_attention_mosaic, interpret=interpret)
-    raise ValueError(name)
 
 
 def _bytes_moved(b, t, h, kvh, d, ctx, kv_itemsize, per_token_scales):
@@ -230,7 +214,7 @@ def _bench_combo(args, report: dict, impls: list[str], deadline: float, ctx: int
         if impl == "xla" and mem is not None and need + xla_tmp > 0.9 * mem:
             results.append(dict(row, skipped="xla temporaries do not fit"))
             continue
-        fn = _impl_fn(impl, env["interpret"])
+        fn = backend(impl, interpret=env["interpret"])
         ref_out = _measure(row, fn, impl, q, pos, caches, ref_out, args.reps)
         results.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "error"}), flush=True)
@@ -238,7 +222,7 @@ def _bench_combo(args, report: dict, impls: list[str], deadline: float, ctx: int
 
 
 def run_bench(args) -> dict:
-    cc = _gpu_compute_capability()
+    cc = gpu_compute_capability()
     impls = _impls(args, cc)
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]

@@ -4,7 +4,7 @@
 #include <immintrin.h>
 #include <cstdint>
 
-#define PEAGLE_AMX __attribute__((target("amx-tile,amx-bf16")))
+#include "cpu_features.h"
 
 namespace peagle {
 

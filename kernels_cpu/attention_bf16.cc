@@ -1,5 +1,5 @@
 // Cache attention on AVX2+FMA CPUs, as an XLA FFI custom call (kernels_cpu; bf16 in and out,
-// float32 inside; `kernels_pallas.cache_attention` picks it on CPU for bf16 caches, implementation "cpu").
+// float32 inside; `peagle_jax.kernels.cache_attention` picks it on CPU for bf16 caches, implementation "cpu").
 //
 // out[b, t, h] = softmax_s(q[b, t, h] . k[b, kvh, s] * scale) @ v[b, kvh, s], over the cache rows
 // s <= pos[b, t] outside the hidden window [lo[b, t], hi[b, t]), kvh = h / (H / KVH).
@@ -36,13 +36,12 @@
 #include <vector>
 #include "amx.h"
 #include "bf16.h"
+#include "cpu_features.h"
 #include "spans.h"
 #include "vmath.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
-
-extern "C" int peagle_gemv_loop_set();  // gemv_bf16.cc: 2 where the matmuls run on AMX tiles
 
 namespace {
 
@@ -125,8 +124,6 @@ void weigh_values_groups(const float* e, const int32_t* keys, int64_t n, const u
     default: break;
   }
 }
-
-#define PEAGLE_INLINE inline __attribute__((always_inline))
 
 // The lanes of one item: up to L query heads of kv head `kvh` in sequence b (any of its T rows).
 template <int L>
@@ -261,10 +258,9 @@ void attend_lanes(const Problem& p, int64_t b, int64_t kvh, int64_t first, float
 // lane still runs the same instructions on its own data whatever shares the call, so a row's
 // result keeps every invariance above; the scores' rounding differs from the 8-lane loop's,
 // so a host's tokens depend on which of the two it runs (as with the matmul's loop sets).
-#define PEAGLE_WIDE __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
 template <int N>
-PEAGLE_WIDE PEAGLE_INLINE __m256 key_scores_dp(const uint16_t* const* q, const uint16_t* ks, int64_t D) {
+PEAGLE_DPBF16 PEAGLE_INLINE __m256 key_scores_dp(const uint16_t* const* q, const uint16_t* ks, int64_t D) {
   __m512 acc[N];
 #pragma GCC unroll 8
   for (int g = 0; g < N; ++g) acc[g] = _mm512_setzero_ps();
@@ -284,8 +280,8 @@ PEAGLE_WIDE PEAGLE_INLINE __m256 key_scores_dp(const uint16_t* const* q, const u
 
 // out[lane] += e[i, lane] * v[keys[i]] (see weigh_values), 32 head-dim values a pass.
 template <int NH, int Stride = kLanes>
-PEAGLE_WIDE PEAGLE_INLINE void weigh_values_wide(const float* e, const int32_t* keys, int64_t n, const uint16_t* vb,
-                                                 int64_t D, int lane0, const float* l, uint16_t* const* out) {
+PEAGLE_DPBF16 PEAGLE_INLINE void weigh_values_wide(const float* e, const int32_t* keys, int64_t n, const uint16_t* vb,
+                                                   int64_t D, int lane0, const float* l, uint16_t* const* out) {
   for (int64_t d = 0; d < D; d += 32) {
     __m512 acc0[NH], acc1[NH];
 #pragma GCC unroll 8
@@ -312,9 +308,9 @@ PEAGLE_WIDE PEAGLE_INLINE void weigh_values_wide(const float* e, const int32_t* 
 // All `lanes` lanes of an item (e's rows `Stride` floats apart), 6 at a time: 12 accumulators
 // plus the values and a broadcast fit the 32 registers.
 template <int Stride>
-PEAGLE_WIDE PEAGLE_INLINE void weigh_values_wide_lanes(const float* e, const int32_t* keys, int64_t n,
-                                                       const uint16_t* vb, int64_t D, int lanes, const float* l,
-                                                       uint16_t* const* out) {
+PEAGLE_DPBF16 PEAGLE_INLINE void weigh_values_wide_lanes(const float* e, const int32_t* keys, int64_t n,
+                                                         const uint16_t* vb, int64_t D, int lanes, const float* l,
+                                                         uint16_t* const* out) {
   int lane0 = 0;
   for (; lane0 + 6 <= lanes; lane0 += 6) weigh_values_wide<6, Stride>(e, keys, n, vb, D, lane0, l, out);
   switch (lanes - lane0) {
@@ -328,7 +324,7 @@ PEAGLE_WIDE PEAGLE_INLINE void weigh_values_wide_lanes(const float* e, const int
 }
 
 template <int N>
-PEAGLE_WIDE void attend_lanes_wide(const Problem& p, int64_t b, int64_t kvh, int64_t first, float* e, int32_t* keys) {
+PEAGLE_DPBF16 void attend_lanes_wide(const Problem& p, int64_t b, int64_t kvh, int64_t first, float* e, int32_t* keys) {
   const int64_t D = p.D;
   Lanes ln;
   setup_lanes<N>(p, b, kvh, first, ln);
@@ -362,14 +358,13 @@ PEAGLE_WIDE void attend_lanes_wide(const Problem& p, int64_t b, int64_t kvh, int
 // order). The scores round their own way (as the AMX matmul's do), so an AMX host's tokens can
 // differ from a dot-product host's. Interleaved on real round programs against the 8-head items
 // with AMX scores: a K=7 round 0.58 ms cheaper, K=3 the same.
-#define PEAGLE_AMX_ATTN __attribute__((target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")))
 
 struct Visibility16 {
   __m512i pos, lo, hi;
-  PEAGLE_AMX_ATTN PEAGLE_INLINE explicit Visibility16(const LanesOf<kLanesWide>& ln)
+  PEAGLE_AMX_DPBF16 PEAGLE_INLINE explicit Visibility16(const LanesOf<kLanesWide>& ln)
       : pos(_mm512_load_si512(ln.pos)), lo(_mm512_load_si512(ln.lo)), hi(_mm512_load_si512(ln.hi)) {}
   // Lanes that see key s: s <= pos and not lo <= s < hi.
-  PEAGLE_AMX_ATTN PEAGLE_INLINE __mmask16 at(int64_t s) const {
+  PEAGLE_AMX_DPBF16 PEAGLE_INLINE __mmask16 at(int64_t s) const {
     const __m512i vs = _mm512_set1_epi32(static_cast<int32_t>(s));
     const __mmask16 beyond = _mm512_cmpgt_epi32_mask(vs, pos);
     const __mmask16 hidden = _mm512_cmpgt_epi32_mask(hi, vs) & static_cast<__mmask16>(~_mm512_cmpgt_epi32_mask(lo, vs));
@@ -377,7 +372,7 @@ struct Visibility16 {
   }
 };
 
-PEAGLE_AMX_ATTN inline void amx_configure_scores() {
+PEAGLE_AMX_DPBF16 inline void amx_configure_scores() {
   peagle::TileConfig cfg{};
   cfg.palette = 1;
   cfg.rows[0] = kKeyBlock; cfg.colsb[0] = 64;
@@ -389,8 +384,8 @@ PEAGLE_AMX_ATTN inline void amx_configure_scores() {
 
 // `e` holds at least 16 * S floats, `keys` S ints.
 template <int N>
-PEAGLE_AMX_ATTN void attend_lanes_amx(const Problem& p, int64_t b, int64_t kvh, int64_t first, float* e,
-                                        int32_t* keys) {
+PEAGLE_AMX_DPBF16 void attend_lanes_amx(const Problem& p, int64_t b, int64_t kvh, int64_t first, float* e,
+                                          int32_t* keys) {
   const int64_t D = p.D, chunks = D / 32;
   LanesOf<kLanesWide> ln;
   setup_lanes<N, kLanesWide>(p, b, kvh, first, ln);
@@ -456,7 +451,7 @@ PEAGLE_AMX_ATTN void attend_lanes_amx(const Problem& p, int64_t b, int64_t kvh, 
 void attend_item(const Problem& p, int64_t r, float* e, int32_t* keys) {
   const int64_t heads = p.T * (p.H / p.KVH), j = r % p.tiles, kvh = (r / p.tiles) % p.KVH, b = r / (p.tiles * p.KVH);
   const int64_t first = j * heads / p.tiles, n = (j + 1) * heads / p.tiles - first;
-  // attend_lanes_wide where the dot products may run (bf16.h) and head dims are multiples of 32
+  // attend_lanes_wide where the dot products may run (cpu_features.h) and head dims are multiples of 32
   const bool wide = p.D % 32 == 0 && peagle::dot_products_allowed();
 #define PEAGLE_ATTEND(k)                                                                                 \
   return p.amx ? attend_lanes_amx<k>(p, b, kvh, first, e, keys)                                          \
@@ -527,7 +522,7 @@ static ffi::Error CacheAttentionBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16
                    reinterpret_cast<const uint16_t*>(q.typed_data()), reinterpret_cast<const uint16_t*>(k.typed_data()),
                    reinterpret_cast<const uint16_t*>(v.typed_data()), pos.typed_data(), lo.typed_data(),
                    hi.typed_data(), reinterpret_cast<uint16_t*>(out->typed_data()), 1,
-                   D % 32 == 0 && peagle_gemv_loop_set() == 2};
+                   D % 32 == 0 && peagle::loop_set() == 2};  // 2: the matmuls run on AMX
   // As few lane sets as hold the heads: measured, splitting them further only repeats the key
   // loads (at 1 row, 3 sets of 1 head ran 40% slower than 1 set of 3).
   const int64_t heads = T * (H / KVH), tiles = (heads + job->p.lanes() - 1) / job->p.lanes();

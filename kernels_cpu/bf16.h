@@ -3,20 +3,9 @@
 
 #include <immintrin.h>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 
 namespace peagle {
-
-// Whether this host may run the AVX512-BF16 dot-product loops (gemv_quant.cc's, attention_bf16.cc's
-// wide lanes): the CPU has AVX-512F/BW and AVX512-BF16, and neither PEAGLE_CPU_KERNEL_NO_DPBF16
-// nor PEAGLE_CPU_KERNEL_AVX2 is set (tests and benchmarks pick the other loops with them).
-inline bool dot_products_allowed() {
-  static const bool allowed = std::getenv("PEAGLE_CPU_KERNEL_NO_DPBF16") == nullptr &&
-                              std::getenv("PEAGLE_CPU_KERNEL_AVX2") == nullptr && __builtin_cpu_supports("avx512f") &&
-                              __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16");
-  return allowed;
-}
 
 // 8 bf16 -> 8 float32, exactly.
 inline __m256 load8_bf16(const uint16_t* p) {

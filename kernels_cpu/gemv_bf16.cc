@@ -23,11 +23,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <sys/syscall.h>
-#include <unistd.h>
 #include <vector>
 #include "amx.h"
 #include "bf16.h"
+#include "cpu_features.h"
 #include "spans.h"
 #include "vmath.h"
 #include "xla/ffi/api/ffi.h"
@@ -140,7 +139,6 @@ static void rows_tile(int64_t M, const float* x, int64_t J, const uint16_t* w, f
 }
 
 // ---- AVX-512F: the same FMAs, twice the lanes, for 3+ rows ------------------------------------
-#define PEAGLE_AVX512 __attribute__((target("avx512f")))
 constexpr int64_t kMaxBlockRows512 = 12;  // 24 accumulators + 4 weight vectors + 2 broadcasts
 
 template <int R>
@@ -190,7 +188,6 @@ PEAGLE_AVX512 static void rows_chunk512(int64_t R, const float* x, int64_t J, co
 // product, then acc += even pair's, each rounded once, denormals flushed), and a bf16 x bf16
 // product is exact in float32, so it gives the FMA loops' bits (tested) with no widening of the
 // weights and half the instructions per row. The rows come as bf16 pairs (as for AMX).
-#define PEAGLE_DPBF16 __attribute__((target("avx512f,avx512bf16")))
 constexpr int64_t kMaxBlockRowsDp = 14;  // 28 accumulators + 2 weight vectors + 1 broadcast
 
 template <int R>
@@ -300,31 +297,9 @@ PEAGLE_AMX static void amx_tile(const uint32_t* xp, int64_t J, const uint16_t* w
   _tile_stored(4, yt + 16, O * 4);
 }
 
-// AMX-BF16 and AMX-TILE in CPUID leaf 7, and the kernel's permission to use the tile state.
-static bool amx_usable() {
-  unsigned a, b, c, d;
-  __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-  if (!((d >> 22) & 1) || !((d >> 24) & 1)) return false;
-  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
-
-// Which loops run here, chosen once per process: 2 = AMX (every row count), 3 = AVX512-BF16
-// dot products (every row count), 1 = AVX-512F FMAs (3+ rows; AVX2 for 1-2), 0 = AVX2 only.
-// PEAGLE_CPU_KERNEL_NO_AMX=1 rules out 2 and PEAGLE_CPU_KERNEL_NO_DPBF16=1 rules out 3; where
-// neither runs, PEAGLE_CPU_KERNEL_AVX2=1 forces 0 (tests compare the sets' bits; benchmarks
-// time them).
-static int loop_set() {
-  static const int set = [] {
-    if (std::getenv("PEAGLE_CPU_KERNEL_NO_AMX") == nullptr && amx_usable()) return 2;
-    if (std::getenv("PEAGLE_CPU_KERNEL_AVX2") != nullptr || !__builtin_cpu_supports("avx512f")) return 0;
-    if (std::getenv("PEAGLE_CPU_KERNEL_NO_DPBF16") == nullptr && __builtin_cpu_supports("avx512bf16")) return 3;
-    return 1;
-  }();
-  return set;
-}
-
-extern "C" int peagle_gemv_loop_set() { return loop_set(); }  // for kernels_cpu.instruction_set
+// Which loops run here (cpu_features.h): 2 = AMX, 3 = AVX512-BF16 dot products, 1 = AVX-512F
+// FMAs for 3+ rows, 0 = AVX2 only.
+extern "C" int peagle_gemv_loop_set() { return peagle::loop_set(); }  // for kernels_cpu.instruction_set
 
 // Rows [0, M) (M <= kMaxRows) of one tile with the AVX-512F FMAs (see rows_tile_blocked).
 static void rows_tile512(int64_t M, const float* x, int64_t J, const uint16_t* w, float* yt, int64_t O) {
@@ -383,7 +358,7 @@ struct Job {
   }
 
   void Work() {
-    const int set = loop_set();
+    const int set = peagle::loop_set();
     if (set == 2) {
       spans.Claim([&](int64_t t0, int64_t t1) { Tiles(t0, t1, set); });
       return;
@@ -425,7 +400,7 @@ static ffi::Error Gemv(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::Bu
     xs = gated.data();
   }
   const int64_t width = 2 * job->J;  // inputs past I are zero (their packed weights are zero too)
-  if (loop_set() >= 2) {
+  if (peagle::loop_set() >= 2) {
     // A row's bf16 values in order are its pairs already (little-endian: x[2j] in the low
     // half); only the pad past I is zeroed.
     job->xp.resize(job->M * job->J);

@@ -35,6 +35,7 @@
 #include <vector>
 #include "amx.h"
 #include "bf16.h"
+#include "cpu_features.h"
 #include "spans.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -46,8 +47,6 @@ constexpr int64_t kScaleBytes = 128;  // a tile's 32 float32 scales
 constexpr int64_t kAhead = 2048;     // bytes prefetched ahead of the weights in use
 constexpr int64_t kPairBf16 = 2 * kTile;  // bf16 weights per (tile, input pair) once decoded
 
-#define PEAGLE_BW __attribute__((target("avx512f,avx512bw"), always_inline))
-
 // The weight formats: their packed layout (for errors), bytes per (tile, input pair), the constants
 // the sums carry, and the decoding of one input pair's 32 columns into bf16 pair operands (two
 // vectors: columns 0-15 and 16-31) or into float32 (8 columns g, their even- and odd-input weights).
@@ -56,7 +55,7 @@ struct Q7 {
   static constexpr int64_t kPairBytes = 64;
   static constexpr float kBiasDp = 192.0f;  // the dot-product loops' weights are 128 + m = 192 + w7
   static constexpr float kBiasFma = 64.0f;  // the FMA loop's weights are m = 64 + w7
-  static PEAGLE_BW inline void bf16_pairs(const uint8_t* p, __m512i& w0, __m512i& w1) {
+  static PEAGLE_AVX512BW PEAGLE_INLINE void bf16_pairs(const uint8_t* p, __m512i& w0, __m512i& w1) {
     const __m512i exponent = _mm512_set1_epi16(0x4300);
     w0 = _mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), exponent);
     w1 = _mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))),
@@ -72,7 +71,7 @@ struct Q4 {
   static constexpr int64_t kPairBytes = 32;
   static constexpr float kBiasDp = 136.0f;  // 128 + m = 136 + w4
   static constexpr float kBiasFma = 8.0f;   // m = 8 + w4
-  static PEAGLE_BW inline void bf16_pairs(const uint8_t* p, __m512i& w0, __m512i& w1) {
+  static PEAGLE_AVX512BW PEAGLE_INLINE void bf16_pairs(const uint8_t* p, __m512i& w0, __m512i& w1) {
     const __m512i exponent = _mm512_set1_epi16(0x4300);
     const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     w0 = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi16(0x000F)), exponent);
@@ -85,7 +84,6 @@ struct Q4 {
 };
 
 // ---- AVX512-BF16: the weights as bf16 pair operands ----------------------------------------------
-#define PEAGLE_DPBF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 constexpr int kBlockDp = 14;  // rows per pass: 28 accumulators + 2 weight vectors + 1 broadcast
 
 template <class F, int R>
@@ -135,13 +133,12 @@ PEAGLE_DPBF16 void rows_dp(int64_t R, const uint32_t* xp, int64_t J, const uint8
 // become 2 KiB of bf16 weights (128 + m, as above) in an L1 buffer, and one
 // [rows, 16 pairs] x [16 pairs, 32 columns] tile product takes them for all rows at once. Needs
 // J a multiple of 16 (the input tile's width); other widths keep the dot-product loop.
-#define PEAGLE_AMX_Q __attribute__((target("avx512f,avx512bw,amx-tile,amx-bf16")))
 constexpr int64_t kAmxPairs = 16;   // input pairs per tile product
 constexpr int64_t kAmxRows = 16;    // rows per tile product
 
 // One block of 16 input pairs of a tile, made bf16 pair operands in `w` (16 pairs x 32 columns).
 template <class F>
-PEAGLE_AMX_Q inline void decode_block(const uint8_t* qj, uint16_t* w) {
+PEAGLE_AMX_BW inline void decode_block(const uint8_t* qj, uint16_t* w) {
 #pragma GCC unroll 16
   for (int64_t p = 0; p < kAmxPairs; ++p) {
     const uint8_t* src = qj + p * F::kPairBytes;
@@ -157,7 +154,7 @@ PEAGLE_AMX_Q inline void decode_block(const uint8_t* qj, uint16_t* w) {
 // a block is decoded while the tiles load the one before it, so a tile load never waits on the
 // stores just issued (a tile load takes nothing from the store buffer).
 template <class F>
-PEAGLE_AMX_Q void tile_amx(const uint32_t* xp, int64_t J, const uint8_t* q, float* acc) {
+PEAGLE_AMX_BW void tile_amx(const uint32_t* xp, int64_t J, const uint8_t* q, float* acc) {
   alignas(64) uint16_t w[2][kAmxPairs * kPairBf16];  // 2 x (16 pairs x 32 columns x 2 bf16)
   _tile_zero(3);
   _tile_zero(4);
@@ -209,15 +206,13 @@ void rows_fma(int64_t R, const float* x, int64_t J, const uint8_t* q, float* acc
 }
 
 
-extern "C" int peagle_gemv_loop_set();  // gemv_bf16.cc: 2 where the bf16 matmul runs on AMX tiles
-
 enum class Loop { kFma, kDp, kAmx };
 
 // The loop for a call with J input pairs: AMX tiles where the bf16 matmul uses them (and J fits
 // the tiles), else the dot products where the CPU has AVX512-BF16, else the FMAs.
 Loop loop_for(int64_t J) {
   if (!peagle::dot_products_allowed()) return Loop::kFma;
-  return peagle_gemv_loop_set() == 2 && J % kAmxPairs == 0 ? Loop::kAmx : Loop::kDp;
+  return peagle::loop_set() == 2 && J % kAmxPairs == 0 ? Loop::kAmx : Loop::kDp;  // 2: the bf16 matmul's AMX
 }
 
 // One call's work: spans of output tiles (spans.h), weights in format F.

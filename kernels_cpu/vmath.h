@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "bf16.h"
+#include "cpu_features.h"
 
 namespace peagle {
 
@@ -53,9 +54,7 @@ inline __m256 silu_mul8(__m256 g, __m256 u) {
 }
 
 // ---- the same steps on 16 lanes (AVX-512F), bit for bit --------------------------------------------
-#define PEAGLE_VMATH512 __attribute__((target("avx512f")))
-
-PEAGLE_VMATH512 inline __m512 exp16(__m512 x) {
+PEAGLE_AVX512 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
   fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
@@ -73,7 +72,7 @@ PEAGLE_VMATH512 inline __m512 exp16(__m512 x) {
 }
 
 // round8_bf16 on 16 lanes, the result's bits in the high halves.
-PEAGLE_VMATH512 inline __m512 round16_bf16(__m512 f) {
+PEAGLE_AVX512 inline __m512 round16_bf16(__m512 f) {
   const __m512i u = _mm512_castps_si512(f);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
@@ -82,18 +81,18 @@ PEAGLE_VMATH512 inline __m512 round16_bf16(__m512 f) {
   return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), r, quiet));
 }
 
-PEAGLE_VMATH512 inline __m512 load16_bf16(const uint16_t* p) {
+PEAGLE_AVX512 inline __m512 load16_bf16(const uint16_t* p) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
 // 16 float32 -> 16 bf16, rounded as store8_bf16.
-PEAGLE_VMATH512 inline void store16_bf16(uint16_t* p, __m512 f) {
+PEAGLE_AVX512 inline void store16_bf16(uint16_t* p, __m512 f) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                       _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round16_bf16(f)), 16)));
 }
 
-PEAGLE_VMATH512 inline __m512 silu_mul16(__m512 g, __m512 u) {
+PEAGLE_AVX512 inline __m512 silu_mul16(__m512 g, __m512 u) {
   const __m512 one = _mm512_set1_ps(1.0f);
   const __m512 neg_abs = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(g), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
   const __m512 t = exp16(neg_abs);
@@ -103,7 +102,7 @@ PEAGLE_VMATH512 inline __m512 silu_mul16(__m512 g, __m512 u) {
 }
 
 // 16 values at a time; the result is rounded already, so its high halves are the bf16 bits.
-PEAGLE_VMATH512 inline void silu_mul_bf16_512(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t n) {
+PEAGLE_AVX512 inline void silu_mul_bf16_512(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t n) {
   for (int64_t i = 0; i + 16 <= n; i += 16) {
     const __m512 h = silu_mul16(load16_bf16(gate + i), load16_bf16(up + i));  // rounded already
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
@@ -116,9 +115,8 @@ PEAGLE_VMATH512 inline void silu_mul_bf16_512(const uint16_t* gate, const uint16
 // a tail shorter than 8 goes through the same vector steps (zero-padded). Every lane and width
 // takes the same steps, so every position gets the same function on every x86 host.
 inline void silu_mul_bf16(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t n) {
-  static const bool wide = __builtin_cpu_supports("avx512f") && std::getenv("PEAGLE_CPU_KERNEL_AVX2") == nullptr;
   int64_t i = 0;
-  if (wide) {
+  if (avx512_allowed()) {
     silu_mul_bf16_512(gate, up, out, n);
     i = n / 16 * 16;
   }

@@ -203,7 +203,8 @@ def _attend(
     return out.reshape(b, kvh, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d).astype(q.dtype)
 
 
-IMPLEMENTATIONS = ("xla", "cpu", "triton", "mosaic", "auto")
+#: The row-invariant C++ kernel ("cpu") is added beside these by `peagle_jax.kernels.attention`.
+IMPLEMENTATIONS = ("xla", "triton", "mosaic", "auto")
 
 
 def _gpu_compute_capability() -> tuple[int, int] | None:
@@ -221,17 +222,6 @@ def _gpu_compute_capability() -> tuple[int, int] | None:
         return None
 
 
-def _cpu_kernel_blocker(q_dtype, kv_dtype) -> str | None:
-    """Why `kernels_cpu.cache_attention` cannot serve these inputs here (None: it can)."""
-    if jax.default_backend() != "cpu":
-        return f"the backend is {jax.default_backend()}, not cpu"
-    if jnp.dtype(q_dtype) != jnp.bfloat16 or jnp.dtype(kv_dtype) != jnp.bfloat16:
-        return f"it takes bf16 queries and caches, not {jnp.dtype(q_dtype)} / {jnp.dtype(kv_dtype)}"
-    import kernels_cpu
-
-    return kernels_cpu.unavailable_reason()
-
-
 def resolve_implementation(
     implementation: str | None,
     *,
@@ -241,11 +231,9 @@ def resolve_implementation(
     seq_len: int | None = None,
     interpret: bool = False,
 ) -> str:
-    """The implementation `cache_attention` will run: "xla", "cpu", "triton" or "mosaic".
+    """The implementation `cache_attention` will run: "xla", "triton" or "mosaic".
 
     * None / "xla": the XLA reference.
-    * "cpu": the row-invariant C++ kernel of `kernels_cpu` (bf16 queries and cache, CPU
-      backend, AVX2); anywhere else, or for other dtypes, it falls back to "xla".
     * "auto": on a CUDA GPU, "mosaic" on sm_90+ when it supports the dtypes / head_dim, else
       "triton"; anywhere else "xla" (auto never picks interpret mode).
     * "triton" / "mosaic": that Pallas kernel on a CUDA GPU, or in interpret mode when
@@ -264,12 +252,6 @@ def resolve_implementation(
             f"known: {', '.join(repr(i) for i in IMPLEMENTATIONS)}"
         )
     if impl == "xla":
-        return "xla"
-    if impl == "cpu":
-        why = _cpu_kernel_blocker(q_dtype, kv_dtype)
-        if why is None:
-            return "cpu"
-        log_once(f"cpu-fallback-{why}", "cache_attention(implementation='cpu'): %s; falling back to 'xla'", why)
         return "xla"
     cc = _gpu_compute_capability()
     mosaic_why = _mosaic.supports(q_dtype, kv_dtype, head_dim, seq_len)
@@ -355,7 +337,7 @@ def cache_attention(
 
     ``skip_lo`` / ``skip_hi`` (both or neither): the tree mask's hidden window per query row.
 
-    ``implementation``: "xla" | "cpu" | "triton" | "mosaic" | "auto" (see `resolve_implementation`);
+    ``implementation``: "xla" | "triton" | "mosaic" | "auto" (see `resolve_implementation`);
     ``interpret=True`` runs a requested Pallas kernel in interpret mode (CPU tests).
     The choice is made at trace time from the default backend and the input dtypes.
     """
@@ -367,12 +349,7 @@ def cache_attention(
         seq_len=k_cache.shape[2],
         interpret=interpret,
     )
-    if impl == "cpu" and k_scale is None and v_scale is None:
-        import kernels_cpu
-
-        return kernels_cpu.cache_attention(q, k_cache, v_cache, q_positions, sm_scale=sm_scale, skip_lo=skip_lo,
-                                           skip_hi=skip_hi)
-    if impl in ("xla", "cpu"):
+    if impl == "xla":
         return cache_attention_reference(
             q, k_cache, v_cache, q_positions, k_scale=k_scale, v_scale=v_scale, sm_scale=sm_scale,
             skip_lo=skip_lo, skip_hi=skip_hi,

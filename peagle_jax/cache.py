@@ -2,7 +2,7 @@
 
 Row s of a sequence's cache holds the key/value of the token at absolute position s; the
 layout is heads-major, [B, KVH, S, D], so attention reads each kv head's rows in place (see
-kernels_pallas.cache_attention). A step that processes T new rows writes them at their
+peagle_jax.kernels.attention). A step that processes T new rows writes them at their
 positions (scatter; rows past the capacity are dropped) and attends causally by position, so
 a committed length per sequence is the only bookkeeping: rows above it (rejected drafts,
 placeholder slots, prompt padding) are dead and get overwritten by the next step's writes
@@ -15,6 +15,8 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
+
+from peagle_jax.kernels import compute_scale, quantize_with_scale
 
 
 class LayerKV(NamedTuple):
@@ -34,8 +36,6 @@ class LayerKV(NamedTuple):
         """Write new rows at their positions, quantizing on write for an FP8 cache."""
         if not self.is_fp8:
             return LayerKV(write_rows(self.k, k_rows, positions), write_rows(self.v, v_rows, positions))
-        from kernels_pallas.fp8 import compute_scale, quantize_with_scale
-
         ks, vs = compute_scale(k_rows), compute_scale(v_rows)  # per token and head: [B, T, KVH, 1]
         return LayerKV(
             write_rows(self.k, quantize_with_scale(k_rows, ks), positions),

@@ -18,12 +18,13 @@ are distributed exactly as if sampled from the (processed) target distribution.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Key
+
+from peagle_jax import kernels
 
 
 class SamplingParams(NamedTuple):
@@ -53,38 +54,11 @@ def _finite_max(x: Float[Array, "... V"]) -> Float[Array, "... 1"]:
     return jnp.where(jnp.isfinite(m), m, 0.0)
 
 
-ARGMAX_KERNEL_MIN_VOCAB = 1024
-"""Vocabularies from which `greedy_token` uses the CPU kernel (smaller rows cost XLA little)."""
-
-
-@functools.cache
-def _argmax_kernel_available() -> bool:
-    """Whether `kernels_cpu.argmax` can serve `greedy_token`: the CPU backend, one device (a
-    custom call does not split across a mesh), and the kernel library built and loaded."""
-    if jax.default_backend() != "cpu" or jax.device_count() != 1:
-        return False
-    import kernels_cpu
-
-    return kernels_cpu.available()
-
-
 def greedy_token(logits: Float[Array, "... V"]) -> Int[Array, "..."]:
-    """Argmax over the last axis, lowest index on ties (as `jnp.argmax`).
-
-    This runs on every row of every round. On one CPU device, float32 rows of a real
-    vocabulary go to `kernels_cpu.argmax` (XLA:CPU took ~110 us a 49k row: 1-2% of a
-    SmolLM2 decode step), which gives a row holding a NaN its last index. Elsewhere a max
-    followed by a min over the matching indices: XLA:CPU lowers `argmax` to a variadic
-    (value, index) reduce that does not vectorise, about 3x slower.
-    """
-    v = logits.shape[-1]
-    if logits.dtype == jnp.float32 and v >= ARGMAX_KERNEL_MIN_VOCAB and _argmax_kernel_available():
-        import kernels_cpu
-
-        return kernels_cpu.argmax(logits)
-    top = jnp.max(logits, axis=-1, keepdims=True)
-    idx = jnp.min(jnp.where(logits == top, jnp.arange(v, dtype=jnp.int32), v), axis=-1)
-    return jnp.minimum(idx, v - 1).astype(jnp.int32)
+    """Argmax over the last axis, lowest index on ties (as `jnp.argmax`), int32. It runs on every
+    row of every round, so it takes `peagle_jax.kernels.argmax`: the CPU kernel where it serves
+    (a row holding a NaN then gets its last index), else an XLA formulation that vectorises."""
+    return kernels.argmax(logits)
 
 
 #: Candidates (largest logits per row) from which top-k and top-p thresholds are read directly.

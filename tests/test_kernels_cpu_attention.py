@@ -1,4 +1,5 @@
-"""The CPU cache attention kernel (kernels_cpu.cache_attention, implementation "cpu").
+"""The CPU cache attention kernel (kernels_cpu.cache_attention, implementation "cpu" of
+peagle_jax.kernels.cache_attention).
 
 It must (1) match the float32 reference to bf16 accuracy, with GQA, the causal limit and the
 tree mask's hidden window, (2) give a query row the same bits whatever else the call holds:
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 import kernels_cpu
-from kernels_pallas.cache_attention import cache_attention, cache_attention_reference, resolve_implementation
+from peagle_jax.kernels.attention import cache_attention, cache_attention_reference, resolve_implementation
 
 needs_kernel = pytest.mark.skipif(not kernels_cpu.available(),
                                   reason=f"kernels_cpu unavailable: {kernels_cpu.unavailable_reason()}")
@@ -137,7 +138,7 @@ def test_dispatch_and_fallbacks(caplog):
     XLA reference (logged once); "auto" on CPU stays "xla" (it picks GPU kernels)."""
     assert resolve_implementation("cpu") == "cpu"
     assert resolve_implementation("auto") == "xla"
-    with caplog.at_level("INFO", logger="kernels_pallas"):
+    with caplog.at_level("INFO", logger="peagle_jax.kernels"):
         assert resolve_implementation("cpu", q_dtype=jnp.float32, kv_dtype=jnp.float32) == "xla"
     assert any("bf16" in r.getMessage() for r in caplog.records)
     q, k, v, pos = _inputs(5, 1, 2, 4, 2, 64, 16, first=5)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,8 @@ import pytest
 from scipy import stats
 
 from peagle_jax import sampling as S
+
+A = importlib.import_module("peagle_jax.kernels.argmax")  # the module: the package exports its function
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -180,14 +184,14 @@ def test_greedy_token_is_argmax_with_lowest_index_ties(vocab, kernel, monkeypatc
     where it runs ("cpu-kernel-if-any"), else XLA; the kernel gives a row with a NaN its last
     index."""
     if not kernel:
-        monkeypatch.setattr(S, "_argmax_kernel_available", lambda: False)
+        monkeypatch.setattr(A, "kernel_available", lambda: False)
     x = jax.random.normal(jax.random.key(5), (4, 3, vocab), jnp.float32)
     x = jnp.round(x * 4) / 4  # many ties, including at the top
     x = x.at[1, 0].set(-jnp.inf).at[2, 1, 7].set(jnp.inf).at[3, 2].set(5.0)
     x = x.at[0, 2, vocab - 1].set(9.0).at[0, 2, vocab // 2 + 3].set(9.0).at[0, 2, vocab - 9].set(9.0)
     for arr in (x, x.astype(jnp.bfloat16)):
         np.testing.assert_array_equal(np.asarray(jax.jit(S.greedy_token)(arr)), np.argmax(np.asarray(arr), axis=-1))
-    if not (kernel and vocab >= S.ARGMAX_KERNEL_MIN_VOCAB and S._argmax_kernel_available()):
+    if not (kernel and vocab >= A.KERNEL_MIN_VOCAB and A.kernel_available()):
         return  # XLA's max may skip a NaN: its answer for a NaN row is not specified
     nan = x.at[2, 0, 5].set(jnp.nan).at[1, 1, vocab - 2].set(jnp.nan)
     got = np.asarray(jax.jit(S.greedy_token)(nan))

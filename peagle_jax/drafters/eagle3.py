@@ -91,7 +91,7 @@ class Eagle3Drafter(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = nnx.Param(
             0.02 * jax.random.normal(rngs.params(), (cfg.hidden_size, cfg.draft_vocab_size), dtype))
-        self.lm_head_packed = nnx.data(None)  # PackedKernel for kernels_cpu (models.options)
+        self.lm_head_packed = nnx.data(None)  # PackedKernel for kernels.matmul (models.options)
         self.d2t = VocabMap(jnp.zeros((cfg.draft_vocab_size,), jnp.int32))
         # Placeholder feature for parallel-drafting slots, in the pre-fc (3 * H_t) space.
         self.mask_hidden = (

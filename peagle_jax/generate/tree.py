@@ -10,7 +10,7 @@ rounds. Per sequence (n = committed length; the root is the last emitted token, 
   hidden     -    | -                        | rows [n+1, n+A+1): the main chain and the gap
 
 so each chain sees the committed rows, the root and its own rows, causally, and nothing of
-the other (`kernels_pallas.cache_attention`'s skip window). Greedy acceptance runs on each
+the other (`peagle_jax.kernels.cache_attention`'s skip window). Greedy acceptance runs on each
 chain; the longer accepted prefix wins. Only the winner is committed: the main chain's K/V
 is already where plain decoding puts it, and where the second chain wins its accepted rows'
 K/V move down by A (`move_second_chain`, m <= K rows per layer). Rows above the new length
@@ -38,8 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
 
-from kernels_pallas.cache_attention import KEY_BLOCK, cache_attention
 from peagle_jax.cache import KVCache, LayerKV
+from peagle_jax.kernels import KEY_BLOCK, cache_attention
 
 #: The second chain's rows start a multiple of this many rows after the root (see above).
 CHAIN_ALIGN = 16

@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from kernels_pallas import cache_attention
+from peagle_jax import kernels
 from peagle_jax.cache import LayerKV
 
 
@@ -49,11 +49,11 @@ def matmul(x: Float[Array, "... I"], w: Float[Array, "I O"], *, out_dtype=None) 
 
 
 class PackedKernel(nnx.Variable):
-    """A weight packed tile-major for `kernels_cpu.matmul` (an inference copy of a kernel; not trained)."""
+    """A weight packed tile-major for `kernels.matmul` (an inference copy of a kernel; not trained)."""
 
 
 KERNEL_MAX_ROWS = 32
-"""Rows per sequence up to which `kernels_cpu.matmul` runs on a CPU without AMX: decode steps,
+"""Rows per sequence up to which `kernels.matmul` runs on a CPU without AMX: decode steps,
 verifies and draft passes. Longer calls (prompt prefill) stay on XLA there, whose large matrix
 multiply beats the FMA loops. With AMX the kernel takes every call: its tiles are faster than
 XLA's at prefill too (a 160-token SmolLM2 prompt: 150 -> 120 ms with both kernels,
@@ -65,13 +65,11 @@ makes one method's tokens differ from the other's."""
 @functools.cache
 def kernel_max_rows() -> int | None:
     """`KERNEL_MAX_ROWS`, or None (no limit) where the matmul kernel runs on AMX tiles."""
-    import kernels_cpu
-
-    return None if kernels_cpu.instruction_set() == "amx" else KERNEL_MAX_ROWS
+    return None if kernels.cpu.instruction_set() == "amx" else KERNEL_MAX_ROWS
 
 
 def uses_cpu_kernel(x: Float[Array, "... I"], packed: PackedKernel | None) -> bool:
-    """Whether this call goes to `kernels_cpu.matmul`: a packed weight exists and the call is
+    """Whether this call goes to `kernels.matmul`: a packed weight exists and the call is
     within `kernel_max_rows()` rows per sequence. Decided at trace time."""
     if packed is None:
         return False
@@ -81,7 +79,7 @@ def uses_cpu_kernel(x: Float[Array, "... I"], packed: PackedKernel | None) -> bo
 
 def packed_matmul(x: Float[Array, "... I"], packed: PackedKernel | None, w: Float[Array, "I O"], *,
                   out_dtype=None) -> Float[Array, "... O"]:
-    """x @ w through the row-invariant CPU custom call when `packed` holds `kernels_cpu.pack(w)`
+    """x @ w through the row-invariant CPU custom call when `packed` holds `kernels.pack(w)`
     and the call is decode-sized (`uses_cpu_kernel`), else through `matmul`."""
     if not uses_cpu_kernel(x, packed):
         return matmul(x, w, out_dtype=out_dtype)
@@ -90,13 +88,9 @@ def packed_matmul(x: Float[Array, "... I"], packed: PackedKernel | None, w: Floa
 
 
 def kernel_matmul(x: Float[Array, "... I"], packed: PackedKernel, out_dtype) -> Float[Array, "... O"]:
-    """`kernels_cpu.matmul` with its result in `out_dtype`: a bf16 result is rounded in the
+    """`kernels.matmul` with its result in `out_dtype`: a bf16 result is rounded in the
     kernel (the bits of converting its float32 sums), anything else converted from float32."""
-    import kernels_cpu
-
-    if jnp.dtype(out_dtype) == jnp.bfloat16:
-        return kernels_cpu.matmul(x, packed[...], out_dtype=jnp.bfloat16)
-    return kernels_cpu.matmul(x, packed[...]).astype(out_dtype)
+    return kernels.matmul(x, packed[...], out_dtype)
 
 
 def fused_linears(x: Float[Array, "... I"], packed: PackedKernel | None, linears: tuple[Linear, ...]) -> tuple:
@@ -119,7 +113,7 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(std * jax.random.normal(rngs.params(), (d_in, d_out), dtype))
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
         self.kernel_scale = nnx.data(None)  # per-output-channel scale of an FP8 kernel (models.options)
-        self.kernel_packed = nnx.data(None)  # PackedKernel for kernels_cpu (models.options)
+        self.kernel_packed = nnx.data(None)  # PackedKernel for kernels.matmul (models.options)
 
     def __call__(self, x: Float[Array, "... I"]) -> Float[Array, "... O"]:
         if self.kernel_scale is not None:  # FP8 weights: dequantize after the matmul (per column)
@@ -210,10 +204,10 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(head_dim, eps, dtype=dtype) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps, dtype=dtype) if qk_norm else None
         self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
-        self.attn_impl: str | None = None  # kernels_pallas implementation name; None = XLA
+        self.attn_impl: str | None = None  # kernels.cache_attention implementation name; None = XLA
         self.attn_interpret = False  # run a Pallas kernel in interpret mode (CPU tests)
         self.mesh = None  # set by peagle_jax.sharding.shard_module: attention runs under shard_map
-        self.qkv_packed = nnx.data(None)  # q/k/v kernels packed side by side for kernels_cpu (models.options)
+        self.qkv_packed = nnx.data(None)  # q/k/v kernels packed side by side for kernels.matmul (models.options)
 
     def rotary(self, positions: Int[Array, "B T"]) -> RotaryAngles:
         """This layer's rotary angles at `positions` (the same for every layer of a model, so a
@@ -250,7 +244,7 @@ class Attention(nnx.Module):
         q, k, v = self.project_qkv(x, positions, angles)
         slots = positions if slots is None else slots
         kv = kv.write(k, v, slots)
-        attn = functools.partial(cache_attention, implementation=self.attn_impl, interpret=self.attn_interpret)
+        attn = functools.partial(kernels.cache_attention, implementation=self.attn_impl, interpret=self.attn_interpret)
         window = {} if skip is None else {"skip_lo": skip[0], "skip_hi": skip[1]}
         if self.mesh is not None:
             from peagle_jax.sharding import sharded_attention
@@ -267,7 +261,7 @@ class Attention(nnx.Module):
 
 def silu(x: Float[Array, "..."]) -> Float[Array, "..."]:
     """SiLU computed in float32 and rounded once to x's dtype, as torch computes it for bf16
-    (and as the CPU kernel's gated product does, `kernels_cpu.matmul(glu=True)`); XLA's bf16
+    (and as the CPU kernel's gated product does, `kernels.matmul(glu=True)`); XLA's bf16
     `jax.nn.silu` rounds its steps in bf16."""
     return jax.nn.silu(x.astype(jnp.float32)).astype(x.dtype)
 
@@ -279,14 +273,12 @@ class MLP(nnx.Module):
         self.gate_proj = Linear(d_model, d_ff, bias=False, dtype=dtype, rngs=rngs)
         self.up_proj = Linear(d_model, d_ff, bias=False, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(d_ff, d_model, bias=False, dtype=dtype, rngs=rngs)
-        self.gate_up_packed = nnx.data(None)  # gate/up kernels packed side by side for kernels_cpu (models.options)
+        self.gate_up_packed = nnx.data(None)  # gate/up kernels packed side by side for kernels.matmul (models.options)
 
     def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
         if self.gated_in_kernel(x):
-            import kernels_cpu
-
             gate_up = kernel_matmul(x, self.gate_up_packed, jnp.bfloat16)
-            return kernels_cpu.matmul(gate_up, self.down_proj.kernel_packed[...], jnp.bfloat16, glu=True)
+            return kernels.matmul(gate_up, self.down_proj.kernel_packed[...], jnp.bfloat16, glu=True)
         gate, up = fused_linears(x, self.gate_up_packed, (self.gate_proj, self.up_proj))
         return self.down_proj(silu(gate) * up)
 

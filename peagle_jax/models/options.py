@@ -6,15 +6,16 @@ recompiles once and never at run time:
 
   configure_inference(model, attention="auto", kv_cache_dtype="float8_e4m3fn")
   quantize_weights_fp8(model)   # e4m3 linear weights with per-output-channel scales
-  choose_matmul(model, "auto")  # bf16 on CPU: decode-sized matmuls through kernels_cpu
+  choose_matmul(model, "auto")  # bf16 on CPU: decode-sized matmuls through kernels.matmul
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kernels_pallas import IMPLEMENTATIONS
+from peagle_jax import kernels
 from peagle_jax.models.layers import MLP, Attention, Linear, MoE, PackedKernel
 
 KV_CACHE_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
@@ -35,8 +36,8 @@ def configure_inference(
     """Pick the cache-attention implementation ("xla" | "cpu" | "triton" | "mosaic" | "auto"), the KV
     cache dtype and the MoE evaluation ("dense" | "gathered", see `layers.MoE`) of a target
     model or drafter (in place). An option left None keeps its current setting."""
-    if attention is not None and attention not in IMPLEMENTATIONS:
-        raise ValueError(f"unknown attention implementation {attention!r}; known: {IMPLEMENTATIONS}")
+    if attention is not None and attention not in kernels.IMPLEMENTATIONS:
+        raise ValueError(f"unknown attention implementation {attention!r}; known: {kernels.IMPLEMENTATIONS}")
     if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown KV cache dtype {kv_cache_dtype!r}; known: {KV_CACHE_DTYPES}")
     if moe is not None and moe not in MoE.IMPLS:
@@ -80,10 +81,6 @@ FUSED_CALLS = {Attention: ("qkv_packed", ("q_proj", "k_proj", "v_proj")),
 
 def cpu_kernel_blocker(module: nnx.Module) -> str | None:
     """Why `pack_cpu_matmuls` cannot serve this module (None: it can)."""
-    import jax
-
-    import kernels_cpu
-
     if jax.default_backend() != "cpu":
         return f"the backend is {jax.default_backend()}, not cpu"
     if getattr(module, "mesh", None) is not None:
@@ -93,7 +90,7 @@ def cpu_kernel_blocker(module: nnx.Module) -> str | None:
         return "the weights are FP8"
     if any(n.kernel[...].dtype != jnp.bfloat16 for n in linears):
         return "the weights are not bfloat16"
-    return kernels_cpu.unavailable_reason()
+    return kernels.cpu.unavailable_reason()
 
 
 PACKED_WEIGHTS = ("bf16", "q7", "q4")
@@ -102,29 +99,27 @@ QUANTIZED_DRAFT_WEIGHTS = ("q7", "q4")  # the draft_weights choices that quantiz
 
 def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16") -> nnx.Module:
     """Route the decode-sized matmuls of a bf16 model or drafter (every Linear and the lm_head)
-    through `kernels_cpu.matmul`, the row-invariant CPU custom call, by giving each a packed
+    through `kernels.matmul`, the row-invariant CPU custom call, by giving each a packed
     copy of its weight (in place; the bf16 weights stay for longer calls such as prefill).
     Inference only: the custom call has no gradient. Raises ValueError naming the reason where
     it cannot run (`cpu_kernel_blocker`).
 
-    weights: "bf16" (`kernels_cpu.pack`: the model's own numbers), "q7" (`kernels_cpu.pack_q7`:
+    weights: "bf16" (`kernels.pack`: the model's own numbers), "q7" (`kernels.pack_q7`:
     7-bit per-column weights in one byte each, half the bytes to stream) or "q4" (the Linears in
-    4 bits, `kernels_cpu.pack_q4`, a quarter of the bytes; the lm_head stays in 7 bits: its
+    4 bits, `kernels.pack_q4`, a quarter of the bytes; the lm_head stays in 7 bits: its
     logits pick the drafts, and 4 bits there cost acceptance, docs/notes/2026-12-05-session-31.md).
     "q7" and "q4" change the results, so only a draft head takes them: its drafts are verified by
     the target, never emitted unchecked (`q7_blocker` says where they are slower)."""
-    import kernels_cpu
-
     if weights not in PACKED_WEIGHTS:
         raise ValueError(f"unknown packed weights {weights!r}; known: {PACKED_WEIGHTS}")
     reason = cpu_kernel_blocker(module)
     if reason is not None:
         raise ValueError(f"the CPU matmul kernel cannot serve this model: {reason}")
-    pack = {"bf16": kernels_cpu.pack, "q7": kernels_cpu.pack_q7, "q4": kernels_cpu.pack_q4}[weights]
-    pack_head = kernels_cpu.pack_q7 if weights == "q4" else pack
+    pack = {"bf16": kernels.pack, "q7": kernels.pack_q7, "q4": kernels.pack_q4}[weights]
+    pack_head = kernels.pack_q7 if weights == "q4" else pack
 
     def packable(*linears: Linear) -> bool:
-        return all(lin.kernel.shape[1] % kernels_cpu.TILE == 0 for lin in linears)
+        return all(lin.kernel.shape[1] % kernels.TILE == 0 for lin in linears)
 
     def packed(*linears: Linear) -> PackedKernel:  # side by side along the output tiles
         return PackedKernel(jnp.concatenate([pack(lin.kernel[...]) for lin in linears], axis=0))
@@ -140,7 +135,7 @@ def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16") -> nnx.Module:
             node.kernel_packed = packed(node)
     if hasattr(module, "lm_head_packed"):
         head = module.lm_head_weight()
-        if head.shape[1] % kernels_cpu.TILE == 0:
+        if head.shape[1] % kernels.TILE == 0:
             module.lm_head_packed = PackedKernel(pack_head(head))
     return module
 
@@ -150,12 +145,10 @@ def q7_blocker() -> str | None:
     bytes into bf16 dot-product operands (AVX512-BF16); elsewhere it widens them to float32
     and runs out of arithmetic before memory at 3 rows (slower than bf16: docs/cpu-kernels.md,
     "The matmul on 7-bit and 4-bit weights")."""
-    import kernels_cpu
-
-    if (why := kernels_cpu.unavailable_reason()) is not None:
+    if (why := kernels.cpu.unavailable_reason()) is not None:
         return why
-    if kernels_cpu.instruction_set() not in ("avx512bf16", "amx"):
-        return f"this CPU runs the {kernels_cpu.instruction_set()} loops, without AVX512-BF16 dot products"
+    if kernels.cpu.instruction_set() not in ("avx512bf16", "amx"):
+        return f"this CPU runs the {kernels.cpu.instruction_set()} loops, without AVX512-BF16 dot products"
     return None
 
 

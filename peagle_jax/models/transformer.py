@@ -60,7 +60,7 @@ class CausalLM(nnx.Module):
         self.config = cfg
         self.mesh = None  # set by peagle_jax.sharding.shard_module
         self.kv_cache_dtype: str | None = None  # None = the parameter dtype (models.options)
-        self.lm_head_packed = nnx.data(None)  # PackedKernel for kernels_cpu (models.options)
+        self.lm_head_packed = nnx.data(None)  # PackedKernel for kernels.matmul (models.options)
         dtype = jnp.dtype(cfg.dtype)
         self.embed_tokens = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
         self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)])
