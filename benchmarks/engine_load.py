@@ -27,9 +27,10 @@ from typing import Any
 
 from benchmarks import common
 
-#: The engine methods timed (each wraps one phase of an engine step).
-PHASES = ("_step", "_round", "_prefill_step", "_prefill_rows", "_insert", "_resize", "_release", "_emit",
-          "_free_cancelled", "_maybe_shrink", "_finish")
+#: The engine methods timed (each wraps one phase of an engine step), by their path from the
+#: engine: its own steps, and those of its step runner and output processor (`serve.engine`).
+PHASES = ("_step", "runner.round", "_prefill_step", "runner.prefill_rows", "_insert", "_resize", "_release",
+          "output.emit", "_free_cancelled", "_maybe_shrink", "output.finish")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -62,7 +63,9 @@ class PhaseTimer:
             self._wrap(engine, name)
 
     def _wrap(self, engine, name: str) -> None:
-        inner = getattr(engine, name)
+        *path, attr = name.split(".")
+        owner = functools.reduce(getattr, path, engine)
+        inner = getattr(owner, attr)
 
         @functools.wraps(inner)
         def timed(*a, **kw):
@@ -73,7 +76,7 @@ class PhaseTimer:
                 self.seconds[name] += time.perf_counter() - t0
                 self.calls[name] += 1
 
-        setattr(engine, name, timed)
+        setattr(owner, attr, timed)
 
     def reset(self) -> None:
         self.seconds.clear()
@@ -177,8 +180,8 @@ def render(report: dict[str, Any]) -> str:
         rows = [(n, f"{p['ms']:.0f}", p["calls"], f"{p['ms'] / max(p['calls'], 1):.2f}", f"{100 * p['share']:.1f}%")
                 for n, p in run["phases"].items()]
         lines += [common.md_table(("phase", "ms", "calls", "ms per call", "of wall time"), rows), ""]
-    lines.append("Phases nest: `_step` holds `_round` and `_emit`; `_prefill_step` holds `_prefill_rows` and "
-                 "`_insert`.")
+    lines.append("Phases nest: `_step` holds `runner.round` and `output.emit`; `_prefill_step` holds "
+                 "`runner.prefill_rows` and `_insert`.")
     return "\n".join(lines) + "\n"
 
 

@@ -95,13 +95,13 @@ def test_adaptive_engine_output_equals_plain_decoding_and_reports_its_choices():
     assert engine.adaptive
     engine.start(warmup=True)  # which also measures every kind of round for the policy
     kinds = {(b, s, g) for b in engine.buckets for s in (True, False) for g in (True, False)}
-    assert set(engine._policy.cost_table()) == kinds
-    assert all(c > 0 for c in engine._policy.cost_table().values())
+    assert set(engine.policy.cost_table()) == kinds
+    assert all(c > 0 for c in engine.policy.cost_table().values())
     # On the tiny model a speculative and a plain round cost about the same and their measured
     # times are noise (CI once saw 43 speculative to 16 plain rounds), so from here rounds are
     # charged by a fixed cost model, as on a machine where a verify costs 1.5 decode steps; the
     # policy's use of real times is covered by the synthetic-cost tests above.
-    policy = engine._policy
+    policy = engine.policy
     policy.samples.clear()
     measured = policy.observe_round
 

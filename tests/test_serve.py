@@ -364,12 +364,12 @@ _SIGTERM_SERVER = textwrap.dedent("""
     config = ServeConfig(port={port}, max_batch_size=2, max_model_len=512, num_draft_tokens=3,
                          warmup=False, drain_timeout={drain}, served_model_name="tiny-peagle")
     app = create_app(config, target=target, drafter=drafter, tokenizer=tok, eos_ids=eos)
-    real_round = app.state.engine._round
+    real_round = app.state.engine.runner.round
     def slow_round(greedy, speculate=True):  # 20 ms a round: a 480-token stream lasts seconds, past a 0 s drain
         import time
         time.sleep(0.02)
         return real_round(greedy, speculate)
-    app.state.engine._round = slow_round
+    app.state.engine.runner.round = slow_round
     run(app, config)
 """)
 

@@ -37,13 +37,13 @@ class _Run:
         self.engine = Engine(target, drafter, tok, eos, method="peagle", num_draft_tokens=K,
                              max_model_len=MAX_LEN, **kw)
         self.rows: list[tuple[int, int]] = []  # (rows computed, live sequences) per round
-        real = self.engine._round
+        real = self.engine.runner.round
 
         def recording_round(greedy, speculate=True):
-            self.rows.append((len(self.engine._slots), self.engine._num_active()))
+            self.rows.append((len(self.engine.scheduler.slots), self.engine.scheduler.num_active()))
             return real(greedy, speculate)
 
-        self.engine._round = recording_round
+        self.engine.runner.round = recording_round
         self.events: dict[int, list] = collections.defaultdict(list)
         self.done = threading.Semaphore(0)
 
@@ -169,11 +169,11 @@ def test_prefill_shapes_are_bounded_by_the_chunk():
 
 def _compiled(engine):
     """How many programs each of the engine's jitted functions holds."""
-    from peagle_jax.serve import engine as mod
+    from peagle_jax.serve import programs as mod
 
-    fns = dict(vars(engine._programs))
+    fns = dict(vars(engine.runner.programs))
     fns.pop("weights")
-    fns |= {n: getattr(mod, n) for n in ("_insert_jit", "_finish_jit", "_take_jit", "_keys_from_seeds")}
+    fns |= {n: getattr(mod, n) for n in ("insert_jit", "finish_jit", "take_jit", "keys_from_seeds")}
     return {name: fn._cache_size() for name, fn in fns.items()}
 
 
@@ -187,8 +187,8 @@ def test_long_prompts_prefill_in_chunks_between_rounds_and_nothing_compiles_afte
     calls: list[str] = []
     run.engine.start(warmup=True)
     compiled = _compiled(run.engine)
-    programs = run.engine._programs
-    real_chunk, real_round = programs.chunk, run.engine._round
+    programs = run.engine.runner.programs
+    real_chunk, real_round = programs.chunk, run.engine.runner.round
 
     def chunk(*a, **kw):
         calls.append("chunk")
@@ -198,7 +198,7 @@ def test_long_prompts_prefill_in_chunks_between_rounds_and_nothing_compiles_afte
         calls.append("round")
         return real_round(greedy, speculate)
 
-    programs.chunk, run.engine._round = chunk, round_
+    programs.chunk, run.engine.runner.round = chunk, round_
     rng = np.random.default_rng(0)
     long_ids = rng.integers(10, 40000, 100).tolist()
     prompts = {0: tok.encode(PROMPTS[1]), 1: long_ids, 2: tok.encode(PROMPTS[0]), 3: tok.encode(PROMPTS[2])}
@@ -238,7 +238,7 @@ def test_engine_load_benchmark_counts_every_token_and_times_the_phases(models):
 
     def counting_insert(reqs, *a):
         real_insert(reqs, *a)
-        live[0] = engine._num_active()
+        live[0] = engine.scheduler.num_active()
         peak[0] = max(peak[0], live[0])
 
     engine._insert = counting_insert
@@ -250,6 +250,6 @@ def test_engine_load_benchmark_counts_every_token_and_times_the_phases(models):
         engine.shutdown()
     assert tokens == 6 * len(PROMPTS) and seconds > 0
     assert peak[0] == 2  # two clients: never more than two sequences in the batch
-    assert 1 <= timer.calls["_prefill_rows"] <= len(PROMPTS)
-    assert timer.calls["_round"] >= 6 * len(PROMPTS) // 2 // (K + 1)
-    assert timer.seconds["_step"] >= timer.seconds["_round"] > 0
+    assert 1 <= timer.calls["runner.prefill_rows"] <= len(PROMPTS)
+    assert timer.calls["runner.round"] >= 6 * len(PROMPTS) // 2 // (K + 1)
+    assert timer.seconds["_step"] >= timer.seconds["runner.round"] > 0

@@ -36,7 +36,7 @@ def test_default_model_through_the_server(caplog):
                                                      messages=[{"role": "user", "content": msg}]))
     ids = chat_ids(tok, msg)
     ref = speculative_generate(engine_target(app), None, [ids], method="none", max_new_tokens=40,
-                               eos_token_ids=list(engine._eos.tolist()))
+                               eos_token_ids=list(engine.runner.eos.tolist()))
     text = tok.decode(ref.tokens[0], skip_special_tokens=True)
     assert "Paris" in text
     assert r.choices[0].message.content == text

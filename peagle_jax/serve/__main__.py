@@ -39,23 +39,33 @@ FLUSH_GRACE_S = 5.0
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, draining through the engine on SIGINT/SIGTERM and exiting with status 0.
 
-    On the signal the engine stops taking requests (new ones get 503) and in-flight ones get
-    `drain_timeout` seconds; whatever is left then ends with finish_reason "abort", so every
-    stream still sends its last chunk and `data: [DONE]` before uvicorn closes the connections.
-    A drain is a clean stop, so the signal is not re-raised afterwards (uvicorn's default would
-    end the process with -SIGTERM).
+    On the signal the engine stops taking requests and in-flight ones get `drain_timeout`
+    seconds; whatever is left then ends with finish_reason "abort", so every stream still sends
+    its last chunk and `data: [DONE]`. The server keeps listening while it drains, so a new
+    request is answered 503 (a client learns the server is going away) instead of finding the
+    port closed; once the engine is empty uvicorn closes the connections. A second signal stops
+    at once. A drain is a clean stop, so the signal is not re-raised afterwards (uvicorn's
+    default would end the process with -SIGTERM).
     """
 
     def __init__(self, config: uvicorn.Config, engine, drain_timeout: float):
         super().__init__(config)
         self.engine, self.drain_timeout = engine, drain_timeout
+        self.draining = False
 
     def handle_exit(self, sig, frame) -> None:
-        if not self.should_exit:  # the engine's shutdown is idempotent; the lifespan calls it again
-            threading.Thread(target=self.engine.shutdown, args=(self.drain_timeout,), name="peagle-drain",
-                             daemon=True).start()
-        super().handle_exit(sig, frame)
+        if self.draining:  # a second signal: stop now
+            super().handle_exit(sig, frame)
+        else:
+            self.draining = True
+            threading.Thread(target=self._drain, name="peagle-drain", daemon=True).start()
         self._captured_signals.clear()
+
+    def _drain(self) -> None:
+        try:
+            self.engine.shutdown(self.drain_timeout)  # idempotent: the lifespan calls it again
+        finally:
+            self.should_exit = True
 
 
 def main(argv: list[str] | None = None) -> int:
