@@ -207,10 +207,11 @@ def test_export_gives_a_head_the_vocabulary_of_generated_answers(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
     common = rng.choice(np.arange(100, 49000), 300, replace=False)
-    with open(data / "answers_train.jsonl", "w") as fh:
-        for _ in range(40):  # prompt tokens (ids < 100) do not count; response tokens do
-            fh.write(json.dumps({"name": "x", "prompt": rng.integers(3, 100, 20).tolist(),
-                                 "response": rng.choice(common, 50).tolist()}) + "\n")
+    from peagle_jax.train.shards import Record, write_shard
+
+    # prompt tokens (ids < 100) do not count; response tokens do
+    write_shard(data, "train", [Record(f"x{i}", "math", 1, rng.integers(3, 100, 20).tolist(),
+                                       rng.choice(common, 50).tolist()) for i in range(40)], vocab_size=49152)
     head = default_drafter_path("peagle")
     out = tmp_path / "revocab"
     export_main(["--head", str(head), "--out", str(out), "--vocab-from", str(data), "--draft-vocab-size", "302"])
@@ -228,5 +229,5 @@ def test_export_gives_a_head_the_vocabulary_of_generated_answers(tmp_path):
                                           np.asarray(b.get_tensor(k), np.float32), err_msg=k)
     with pytest.raises(SystemExit):
         export_main(["--head", str(head), "--out", str(tmp_path / "x"), "--draft-vocab-size", "10"])
-    with pytest.raises(FileNotFoundError, match="answers_train.jsonl"):
+    with pytest.raises(FileNotFoundError, match="holds no train shards"):
         export_main(["--head", str(head), "--out", str(tmp_path / "y"), "--vocab-from", str(tmp_path)])

@@ -8,7 +8,7 @@
 The second form rewrites an existing head (either layout) under this policy, e.g. a head
 exported before the lm_head was shipped; its weights are unchanged. With --vocab-from it also
 gives the head a new draft vocabulary: the N (default: the head's size) tokens its target
-writes most often in DATA_DIR (`generate_data`'s answers_train.jsonl, response tokens only);
+writes most often in DATA_DIR (a `generate_data` folder of shards, response tokens only);
 the trained weights are kept and the lm_head becomes the target's rows for the new ids
 (`train.vocab.with_draft_vocabulary`).
 
@@ -89,7 +89,7 @@ def draft_ids_from_answers(data_dir: str | Path, vocab_size: int, draft_size: in
     docs = generated_docs(str(data_dir), "train")
     counts = token_counts(((d.tokens, d.loss_mask) for d in docs), vocab_size)
     if not counts.any():
-        raise ValueError(f"--vocab-from {data_dir}: answers_train.jsonl holds no response tokens")
+        raise ValueError(f"--vocab-from {data_dir}: its train shards hold no response tokens")
     return draft_ids_from_counts(counts, draft_size, always=always)
 
 
