@@ -277,7 +277,7 @@ def test_load_gives_the_head_its_second_root_or_refuses_it():
     # the second chain is verified at full width: no cutoff beside it (the default where load turned it off)
     assert llm.drafter.draft_cutoff == llm.options["draft_cutoff"] == (0.0 if exact else 0.1)
     for method in ("none", "ngram", "peagle+ngram"):
-        with pytest.raises(ValueError, match="second_root needs a draft head and a head method"):
+        with pytest.raises(ValueError, match="second_root applies to the methods"):
             load(None, method=method, second_root=True)
 
 
@@ -326,10 +326,10 @@ def test_load_gives_the_head_its_draft_cutoff_or_refuses_it():
     assert llm.method == "peagle" and llm.drafter.draft_cutoff == llm.options["draft_cutoff"] == 0.1
     _assert_head_weights(llm, "auto")
     assert load(None, draft_cutoff=0.0).drafter.draft_cutoff == 0.0
-    with pytest.raises(ValueError, match=r"draft_cutoff must lie in \[0, 1\)"):
+    with pytest.raises(ValueError, match="draft_cutoff"):
         load(None, draft_cutoff=1.0)
     for method in ("none", "ngram", "peagle+ngram"):
-        with pytest.raises(ValueError, match="draft_cutoff needs a draft head and a head method"):
+        with pytest.raises(ValueError, match="draft_cutoff applies to the methods"):
             load(None, method=method, draft_cutoff=0.2)
     with pytest.raises(ValueError, match="draft_cutoff and second_root do not combine"):
         load(None, draft_cutoff=0.2, second_root=True)
