@@ -9,6 +9,7 @@ sit in `Options.experimental` (docs/usage.md says what each measured).
 from __future__ import annotations
 
 import argparse
+import os
 import types
 import typing
 from typing import Any, Literal
@@ -85,6 +86,7 @@ class Options(BaseModel):
     @field_validator("model", "drafter", "served_model_name", mode="before")
     @classmethod
     def _blank_is_none(cls, v: Any) -> Any:
+        v = os.fspath(v) if isinstance(v, os.PathLike) else v  # a pathlib.Path names a file or folder
         return None if isinstance(v, str) and not v.strip() else v
 
     @field_validator("mesh", mode="before")
