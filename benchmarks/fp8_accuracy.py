@@ -101,19 +101,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
             row["mean_acceptance_length"] = r.mean_acceptance_length
         rows.append(row)
         print(json.dumps(row))
-    out_dir = Path(args.out)
+    write_report(rows, Path(args.out), hf=args.hf, head=bool(args.head))
+    return rows
+
+
+def write_report(rows: list[dict], out_dir: Path, *, hf: bool, head: bool) -> None:
+    """fp8_accuracy.json and a markdown table of the variants."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "fp8_accuracy.json").write_text(json.dumps(rows, indent=2))
     cols = ["variant", "max_abs_logit_error", "mean_abs_logit_error", "top1_agreement"] + (
-        ["hf_max_abs_logit_error", "hf_mean_abs_logit_error", "hf_top1_agreement"] if args.hf else []) + (
-        ["mean_acceptance_length"] if args.head else [])
+        ["hf_max_abs_logit_error", "hf_mean_abs_logit_error", "hf_top1_agreement"] if hf else []) + (
+        ["mean_acceptance_length"] if head else [])
     md = ["| " + " | ".join(cols) + " | greedy tokens before divergence |", "|" + "---|" * (len(cols) + 1)]
     for r in rows:
         md.append("| " + " | ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols)
                   + f" | {r['greedy_tokens_before_divergence']} |")
     (out_dir / "fp8_accuracy.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
-    return rows
 
 
 def hf_reference_logits(model_path, seqs: list[list[int]]) -> list[np.ndarray]:
