@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import kernels_cpu
+from peagle_jax.kernels import attention
 from peagle_jax.kernels.attention import cache_attention, cache_attention_reference, resolve_implementation
 
 needs_kernel = pytest.mark.skipif(not kernels_cpu.available(),
@@ -138,6 +139,7 @@ def test_dispatch_and_fallbacks(caplog):
     XLA reference (logged once); "auto" on CPU stays "xla" (it picks GPU kernels)."""
     assert resolve_implementation("cpu") == "cpu"
     assert resolve_implementation("auto") == "xla"
+    attention._log_once.cache_clear()  # an earlier test may have logged this fallback already
     with caplog.at_level("INFO", logger="peagle_jax.kernels"):
         assert resolve_implementation("cpu", q_dtype=jnp.float32, kv_dtype=jnp.float32) == "xla"
     assert any("bf16" in r.getMessage() for r in caplog.records)

@@ -22,8 +22,12 @@ from peagle_jax.serve.requests import GenRequest
 from peagle_jax.serve.scheduler import Scheduler, check_request
 
 
+def _ignore(event) -> None:
+    """A request's sink where a test reads the engine's state, not its events."""
+
+
 def _req(n: int = 4, **kw) -> GenRequest:
-    return GenRequest(list(range(1, n + 1)), kw.pop("max_new", 8), kw.pop("sink", lambda ev: None), **kw)
+    return GenRequest(list(range(1, n + 1)), kw.pop("max_new", 8), kw.pop("sink", _ignore), **kw)
 
 
 def _scheduler(**kw) -> Scheduler:
@@ -281,7 +285,7 @@ def runner(tiny_target, tiny_head):
 
 
 def _greedy(prompts):
-    return [GenRequest(p, 12, None, temperature=0.0) for p in prompts]
+    return [GenRequest(p, 12, _ignore, temperature=0.0) for p in prompts]
 
 
 def test_runner_rounds_give_speculative_generates_tokens(runner, reference):
@@ -318,8 +322,8 @@ def test_seeded_sampling_does_not_depend_on_batch_mates(runner):
         return runner.prefill_rows(reqs)[2][: len(reqs)].tolist()
 
     seeded = dict(temperature=1.0, seed=1234)
-    alone = first_tokens([GenRequest([3, 4, 5], 4, None, **seeded)])
-    together = first_tokens([GenRequest([7, 7], 4, None, temperature=1.0), GenRequest([3, 4, 5], 4, None, **seeded)])
+    alone = first_tokens([GenRequest([3, 4, 5], 4, _ignore, **seeded)])
+    together = first_tokens([GenRequest([7, 7], 4, _ignore, temperature=1.0), GenRequest([3, 4, 5], 4, _ignore, **seeded)])
     assert together[1] == alone[0]
 
 
@@ -342,10 +346,10 @@ def test_warmup_compiles_every_program_requests_meet_and_times_each_round(tiny_t
     long_prompt = list(range(1, 41))  # a 32-token chunk, then an 8-token tail
     runner.reset(1)
     context = runner.chunk(None, long_prompt, 0, 32)
-    new, *_ = runner.prefill_rows([GenRequest(long_prompt, 4, None, temperature=0.0)], context, 32)
+    new, *_ = runner.prefill_rows([GenRequest(long_prompt, 4, _ignore, temperature=0.0)], context, 32)
     runner.insert(new, np.zeros((1,), np.int32))
     runner.resize(2, [0])
-    new, *_ = runner.prefill_rows([GenRequest([1, 2], 4, None, temperature=0.5), GenRequest([3], 4, None)])
+    new, *_ = runner.prefill_rows([GenRequest([1, 2], 4, _ignore, temperature=0.5), GenRequest([3], 4, _ignore)])
     runner.insert(new, np.array([1, 2], np.int32))  # into a 2-row batch: the second is dropped
     jax.block_until_ready(runner.round(False))
     runner.finish_rows([0], 2)

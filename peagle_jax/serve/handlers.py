@@ -61,7 +61,7 @@ async def list_models(ctx: Context) -> ModelList:
 # response_model=None: a handler may also return a stream or a bare 499; `responses` documents the JSON.
 @router.post("/v1/completions", response_model=None, responses={200: {"model": Completion}})
 async def completions(req: CompletionRequest, request: Request, ctx: Context) -> Completion | Response:
-    check_model_and_options(req, ctx)
+    check_model_and_options(req, ctx.model_aliases)
     for param in ("echo", "suffix"):
         if getattr(req, param):
             raise APIError(400, f"{param} is not supported by this server", param=param,
@@ -76,7 +76,7 @@ async def completions(req: CompletionRequest, request: Request, ctx: Context) ->
 @router.post("/v1/chat/completions", response_model=None,
              responses={200: {"model": ChatCompletion}})
 async def chat_completions(req: ChatCompletionRequest, request: Request, ctx: Context) -> ChatCompletion | Response:
-    check_model_and_options(req, ctx)
+    check_model_and_options(req, ctx.model_aliases)
     ids = await _chat_prompt(req, ctx)
     max_tokens, max_param = req.token_limit()
     budget = prompt_budget(ctx, ids, max_tokens, "messages", max_param)

@@ -10,11 +10,12 @@ from peagle_jax.serve.protocol import SamplingRequest
 __all__ = ["check_model_and_options", "check_prompt_bytes", "prompt_budget"]
 
 
-def check_model_and_options(req: SamplingRequest, ctx: ServerContext) -> None:
-    """Reject a request for another model, or for a setting this server would silently ignore."""
-    if req.model is not None and req.model not in ctx.model_aliases:
+def check_model_and_options(req: SamplingRequest, model_aliases: frozenset[str]) -> None:
+    """Reject a request for another model than `model_aliases` name, or for a setting this server
+    would silently ignore."""
+    if req.model is not None and req.model not in model_aliases:
         # 404 with code model_not_found, as OpenAI and vLLM answer an unknown model.
-        raise APIError(404, f"model {req.model!r} is not served here; available: {sorted(ctx.model_aliases)}",
+        raise APIError(404, f"model {req.model!r} is not served here; available: {sorted(model_aliases)}",
                        param="model", code="model_not_found")
     bad = req.unsupported()
     if bad:

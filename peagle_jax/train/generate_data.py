@@ -103,25 +103,24 @@ class _Answerer:
                 job = next(pending, None)
                 if job is None:
                     break
-                req = GenRequest(list(job[2]), new_tokens, sink=None, temperature=temperature, top_p=top_p,
-                                 seed=seed + position if temperature > 0 else None)
-                position += 1
-                req.sink = lambda ev, rid=req.id: events.put((rid, ev))
+                key = position  # events name their request by its submission order
+                req = GenRequest(list(job[2]), new_tokens, sink=lambda ev, key=key: events.put((key, ev)),
+                                 temperature=temperature, top_p=top_p, seed=seed + key if temperature > 0 else None)
                 try:
                     self.engine.submit(req)
                 except QueueFull:
                     pending = itertools.chain([job], pending)
-                    position -= 1
                     break
-                in_flight[req.id] = (job, req)
+                position += 1
+                in_flight[key] = (job, req)
             if not in_flight:
                 return
-            rid, ev = events.get()
+            key, ev = events.get()
             if isinstance(ev, Failed):
                 raise RuntimeError(f"the engine failed a request: {ev.message}")
             if not isinstance(ev, Finished):
                 continue
-            (prompt, turn, ids), req = in_flight.pop(rid)
+            (prompt, turn, ids), req = in_flight.pop(key)
             stop = on_done(Record(prompt.id, prompt.domain, turn, list(ids), list(req.output_ids)), ev.reason) or stop
 
     def close(self) -> None:
