@@ -323,7 +323,8 @@ def test_seeded_sampling_does_not_depend_on_batch_mates(runner):
 
     seeded = dict(temperature=1.0, seed=1234)
     alone = first_tokens([GenRequest([3, 4, 5], 4, _ignore, **seeded)])
-    together = first_tokens([GenRequest([7, 7], 4, _ignore, temperature=1.0), GenRequest([3, 4, 5], 4, _ignore, **seeded)])
+    together = first_tokens([GenRequest([7, 7], 4, _ignore, temperature=1.0),
+                             GenRequest([3, 4, 5], 4, _ignore, **seeded)])
     assert together[1] == alone[0]
 
 
