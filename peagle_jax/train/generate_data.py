@@ -250,7 +250,10 @@ def generate_answers(llm, prompts: Sequence[Prompt], folder: Path, *, split: str
 def _git_commit(folder: Path, message: str, attempts: int = 5) -> None:
     """Commit the data folder (the new shard and the manifest) and nothing else. A busy index
     (another git command) is retried; a commit that still fails is reported, not fatal: the
-    shard stays on disk and the next one's commit takes it along."""
+    shard stays on disk and the next one's commit takes it along. Nothing new: nothing to do."""
+    status = subprocess.run(["git", "status", "--porcelain", "--", str(folder)], capture_output=True, text=True)
+    if status.returncode == 0 and not status.stdout.strip():
+        return
     for i in range(attempts):
         add = subprocess.run(["git", "add", "--", str(folder)], capture_output=True, text=True)
         done = add.returncode == 0 and subprocess.run(
