@@ -5,7 +5,7 @@
 #
 # 1. finds a Python whose jax sees a CUDA GPU (the repo's .venv, else python3); if none does,
 #    installs "jax[cuda13]" (+ the few packages the kernels and tests import) into python3;
-# 2. runs tests/test_kernels_cache_attention.py natively on the GPU (not interpret mode):
+# 2. runs tests/kernels/test_kernels_cache_attention.py natively on the GPU (not interpret mode):
 #    every kernel against the XLA reference, dispatch, and CUDA lowering;
 # 3. benchmarks xla / triton / mosaic on Llama-3-8B verify attention (H=32, KVH=8, D=128,
 #    T=8; context 1k/8k/32k; batch 1/16/64; bf16 and fp8 KV).
@@ -46,7 +46,7 @@ print(f"== jax {jax.__version__} on {d.device_kind} (sm {getattr(d, 'compute_cap
 EOF
 
 echo "== kernel tests on the GPU"
-timeout "${TESTS_TIMEOUT_S:-300}" "$PY" -m pytest -q -p no:cacheprovider --timeout=120 tests/test_kernels_cache_attention.py 2>&1 \
+timeout "${TESTS_TIMEOUT_S:-300}" "$PY" -m pytest -q -p no:cacheprovider --timeout=120 tests/kernels/test_kernels_cache_attention.py 2>&1 \
   | tee "$OUT_DIR/tests.log"
 test_rc=${PIPESTATUS[0]}
 

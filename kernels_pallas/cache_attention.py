@@ -36,7 +36,7 @@ from jaxtyping import Array, Float, Int
 from kernels_pallas.fp8 import dequantize
 
 #: Query blocks up to this many rows are attended row by row by default (0: never). The
-#: batched form is already row-invariant on XLA:CPU (tests/test_row_invariance.py), so this
+#: batched form is already row-invariant on XLA:CPU (tests/generate/test_row_invariance.py), so this
 #: stays off; `benchmarks.forward_rows` sets it to compare both.
 ROWWISE_MAX_ROWS = 0
 
@@ -82,7 +82,7 @@ def cache_attention_reference(
     Every query row of a (sequence, kv head) is one row of the same [T*G, D] x [D, block]
     product, whose per-row result does not depend on T on XLA:CPU, so a 1-row decode step
     and a K+1-row verify give a row the same values and greedy speculative decoding stays
-    token-identical to plain decoding (tests/test_row_invariance.py fails if that changes).
+    token-identical to plain decoding (tests/generate/test_row_invariance.py fails if that changes).
     ``rowwise`` (default: T <= ROWWISE_MAX_ROWS) attends one query row at a time instead.
 
     ``skip_lo`` / ``skip_hi`` hide rows [lo, hi) from each query row (the tree mask, see the

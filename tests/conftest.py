@@ -10,7 +10,7 @@ import pytest
 # PEAGLE_TYPECHECK=1 (set by .ci/run): run-time shape/dtype checks of the jaxtyping annotations
 # (Float[Array, "B T D"], ...) in our packages, with beartype, installed before any test module
 # imports them. Checks run when a function is called eagerly or traced by jit (once per
-# compilation), not per executed step. Opt-in because they made tests/test_speculative.py
+# compilation), not per executed step. Opt-in because they made tests/generate/test_speculative.py
 # about 12-26% slower (wall) on a shared 2-core machine.
 if os.environ.get("PEAGLE_TYPECHECK", "0") == "1":
     import sys
@@ -19,6 +19,29 @@ if os.environ.get("PEAGLE_TYPECHECK", "0") == "1":
 
     assert "peagle_jax" not in sys.modules, "imported before the type-check hook: it would check nothing"
     install_import_hook(["peagle_jax", "kernels_pallas"], "beartype.beartype")
+
+# One persistent XLA compilation cache for the whole run: JAX's in-memory caches are dropped after
+# every module (`_release_compiled_programs`), and many modules compile the same programs (the same
+# tiny models through the same rounds), which the disk cache then loads instead of recompiling.
+# A fresh folder per run by default; PEAGLE_TEST_XLA_CACHE=DIR keeps one across local runs
+# (the cache key covers the program, the compile options and the jax/XLA versions).
+def _use_a_compilation_cache() -> None:
+    import atexit
+    import shutil
+    import tempfile
+
+    import jax
+
+    folder = os.environ.get("PEAGLE_TEST_XLA_CACHE")
+    if not folder:
+        folder = tempfile.mkdtemp(prefix="peagle-test-xla-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+_use_a_compilation_cache()
 
 # Small but not degenerate: GQA (4 query heads over 2 KV heads). 4 layers keep XLA compiles
 # short; pass num_hidden_layers=7 for distinct default EAGLE-3 taps (2, L//2, L-3) = (2, 3, 4).

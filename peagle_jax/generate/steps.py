@@ -55,7 +55,7 @@ PARALLEL_METHODS = ("peagle", "peagle+ngram")
 #: batch of B such blocks. XLA:CPU's YNN library fusions merge a dot with neighbouring
 #: elementwise and reduce ops into one kernel whose rounding depends on the row count (rows of
 #: 2- and 8-row SmolLM2 forwards differed in bf16); keeping them to single dots makes every
-#: row's value the same (tests/test_row_invariance.py). It is an xla_cpu_ debug option, meant to
+#: row's value the same (tests/generate/test_row_invariance.py). It is an xla_cpu_ debug option, meant to
 #: be inert elsewhere; that has not yet been checked on a GPU.
 STEP_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 #: `jax.jit` with STEP_COMPILER_OPTIONS (use it for anything that calls prefill / spec_round).

@@ -23,8 +23,8 @@ vectorized sum over the key block groups keys by row index and gave the moved ro
 different last bit (1 row in 300-1000); the product did not, at any offset tried. A is
 also kept a multiple of 16, so a key keeps its place in any lane grouping up to 16 wide, and
 a sequence whose second chain would leave the key block of its natural rows (or the cache)
-verifies its main chain alone that round. tests/test_kernels_cache_attention.py and
-tests/test_ngram.py check the rows bitwise; tests/test_row_invariance.py greedy identity
+verifies its main chain alone that round. tests/kernels/test_kernels_cache_attention.py and
+tests/generate/test_ngram.py check the rows bitwise; tests/generate/test_row_invariance.py greedy identity
 with the shipped head in bf16.
 """
 

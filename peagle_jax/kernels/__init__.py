@@ -1,5 +1,5 @@
 """The one seam between the models and the kernels: nothing else under peagle_jax/ (or benchmarks/)
-imports `kernels_cpu` or `kernels_pallas` (tests/test_kernel_seam.py checks it).
+imports `kernels_cpu` or `kernels_pallas` (tests/kernels/test_kernel_seam.py checks it).
 
 Each module holds one concept and decides where its kernel runs, so a caller asks for an
 operation, never for a backend:

@@ -36,7 +36,7 @@ def matmul(x: Float[Array, "... I"], w: Float[Array, "I O"], *, out_dtype=None) 
     several times slower than its 2-7 row matrix multiply (measured: a 49k-wide lm_head row
     took 60-70 ms, two rows 5 ms), and rounds differently. A lone row is padded to two and the
     pad dropped, so a 1-row decode step costs what a 2-row one does and gives the same values
-    as a row of a K+1-row verify (tests/test_row_invariance.py). `out_dtype` is the result and
+    as a row of a K+1-row verify (tests/generate/test_row_invariance.py). `out_dtype` is the result and
     accumulation dtype (float32 for logits); default: the promoted input dtype.
     """
     lead = x.shape[:-1]

@@ -57,7 +57,7 @@ def _table(tokens):
     return np.array([t + [0] * (n - len(t)) for t in tokens])
 
 
-# Both methods at two K (the bf16 suite, tests/test_row_invariance.py, covers every K with the shipped heads).
+# Both methods at two K (the bf16 suite, tests/generate/test_row_invariance.py, covers every K with the shipped heads).
 @pytest.mark.parametrize("method,k", [("peagle", 1), ("peagle", 7), ("eagle3", 3), ("eagle3", 7)])
 def test_random_drafter_exact(smollm2, reference, method, k):
     target, prompts, eos = smollm2

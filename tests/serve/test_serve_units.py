@@ -108,7 +108,7 @@ def test_config_yaml_and_flags(tmp_path):
 def test_shipped_configs_validate():
     from pathlib import Path
 
-    files = sorted(Path(__file__).parents[1].joinpath("configs", "serve").glob("*.yaml"))
+    files = sorted(Path(__file__).parents[2].joinpath("configs", "serve").glob("*.yaml"))
     assert files
     defaults = ServeConfig()
     named = {"model", "drafter", "method"}  # what a config serves; every other setting keeps its default

@@ -371,7 +371,7 @@ def test_two_chain_verify_keeps_the_longer_chain_bitwise(target_bf16, winner):
     main, second = (wrong, right) if winner == "second" else (right.at[0, 2].set(wrong[0, 2]), wrong)
     proposal = Proposal(main, None, None, jnp.asarray([k]), (k,), Branch(second, jnp.asarray([k])))
     # jitted with the step programs' compiler options, which keep every row's value independent
-    # of the row count (tests/test_row_invariance.py)
+    # of the row count (tests/generate/test_row_invariance.py)
     target_step = steps.step_jit(lambda: steps._target_step(target, state, proposal, jax.random.key(1)[None],
                                                             config, jnp.asarray([True])))
     verify = steps.step_jit(lambda d: steps.verify_forward(target, state.target_cache, state.last_token, d,

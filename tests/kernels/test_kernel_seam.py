@@ -14,7 +14,7 @@ import pytest
 
 from peagle_jax import kernels
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KERNEL_PACKAGES = {"kernels_cpu", "kernels_pallas"}
 
 

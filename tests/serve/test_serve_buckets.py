@@ -151,7 +151,7 @@ def test_per_request_draft_limit_keeps_the_text_and_caps_acceptance(models):
     full, off, one = ends[0], ends[1], ends[2]
     assert full.accepted_tokens > 0  # precondition: lookup drafts do get accepted here
     assert off.accepted_tokens == 0 and off.target_forwards == off.completion_tokens - 1
-    assert one.accepted_tokens <= one.target_forwards  # the per-row cap itself: tests/test_sampling.py
+    assert one.accepted_tokens <= one.target_forwards  # the per-row cap itself: tests/generate/test_sampling.py
 
 
 def test_prefill_shapes_are_bounded_by_the_chunk():

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from peagle_jax.train.config import TrainConfig, load_config, parse_overrides
 from peagle_jax.train.train import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
 

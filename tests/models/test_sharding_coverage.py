@@ -22,7 +22,7 @@ from peagle_jax.models import ModelConfig, create_model
 from peagle_jax.pytree_paths import param_paths
 from peagle_jax.sharding import unmatched_params
 
-# The tiny HF configs of tests/test_parity_hf.py (same switches), built through `from_hf_dict`
+# The tiny HF configs of tests/models/test_parity_hf.py (same switches), built through `from_hf_dict`
 # as `load_target` does: llama with and without biases / tying, qwen2 (q/k/v biases), qwen3
 # (q/k norms), qwen3_moe with dense and MoE layers mixed, and all sparse.
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)

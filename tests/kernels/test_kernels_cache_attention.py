@@ -252,7 +252,7 @@ def test_fp8_rejects_bad_granularity():
 
 def test_unknown_implementation_lists_known():
     q, k, v, pos, _ = _make(1, 1, 1, 1, 64, 64, jnp.float32)
-    # kernels_pallas's own names; peagle_jax.kernels adds "cpu" (tests/test_kernel_seam.py)
+    # kernels_pallas's own names; peagle_jax.kernels adds "cpu" (tests/kernels/test_kernel_seam.py)
     with pytest.raises(ValueError, match="'xla', 'triton', 'mosaic', 'auto'"):
         cache_attention(q, k, v, pos, implementation="cudnn")
 

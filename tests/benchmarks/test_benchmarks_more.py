@@ -1,4 +1,4 @@
-"""Smoke tests of the benchmark scripts that tests/test_benchmarks_smoke.py does not cover:
+"""Smoke tests of the benchmark scripts that tests/benchmarks/test_benchmarks_smoke.py does not cover:
 acceptance.py, decode_speed.py, fp8_accuracy.py and peer_hf.py, each through its `main(argv)`.
 
 They normally run on the default SmolLM2-135M; here `--model` points them at a tiny random
