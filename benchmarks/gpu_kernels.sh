@@ -46,7 +46,7 @@ print(f"== jax {jax.__version__} on {d.device_kind} (sm {getattr(d, 'compute_cap
 EOF
 
 echo "== kernel tests on the GPU"
-timeout "${TESTS_TIMEOUT_S:-300}" "$PY" -m pytest -q -p no:cacheprovider --timeout=120 tests/kernels/test_kernels_cache_attention.py 2>&1 \
+timeout "${TESTS_TIMEOUT_S:-300}" "$PY" -m pytest -q -p no:cacheprovider --timeout=120 -m "slow or not slow" tests/kernels/test_kernels_cache_attention.py 2>&1 \
   | tee "$OUT_DIR/tests.log"
 test_rc=${PIPESTATUS[0]}
 

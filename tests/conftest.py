@@ -24,7 +24,7 @@ if os.environ.get("PEAGLE_TYPECHECK", "0") == "1":
 # every module (`_release_compiled_programs`), and many modules compile the same programs (the same
 # tiny models through the same rounds), which the disk cache then loads instead of recompiling.
 # A fresh folder per run by default; PEAGLE_TEST_XLA_CACHE=DIR keeps one across local runs
-# (the cache key covers the program, the compile options and the jax/XLA versions).
+# (the cache key covers the program, the compile options and the jax/XLA versions), =off: none.
 def _use_a_compilation_cache() -> None:
     import atexit
     import shutil
@@ -33,6 +33,8 @@ def _use_a_compilation_cache() -> None:
     import jax
 
     folder = os.environ.get("PEAGLE_TEST_XLA_CACHE")
+    if folder == "off":
+        return
     if not folder:
         folder = tempfile.mkdtemp(prefix="peagle-test-xla-")
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
@@ -42,6 +44,18 @@ def _use_a_compilation_cache() -> None:
 
 
 _use_a_compilation_cache()
+
+
+def pytest_configure(config):
+    """The fast suite compiles at XLA's backend optimization level 0 (LLVM without its
+    optimization passes): its programs are tiny models whose compile time is most of a test's
+    cost, and level 0 made them about 1.5x quicker end to end (docs/testing.md). Any run that
+    selects slow tests (the real models, the row-invariance checks) compiles as production does,
+    and so does PEAGLE_TEST_XLA_OPT=default. Set here, before any test module starts JAX's backend."""
+    fast_only = (config.getoption("markexpr") or "").strip() == "not slow"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if fast_only and os.environ.get("PEAGLE_TEST_XLA_OPT") != "default" and "optimization_level" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + " --xla_backend_optimization_level=0").strip()
 
 # Small but not degenerate: GQA (4 query heads over 2 KV heads). 4 layers keep XLA compiles
 # short; pass num_hidden_layers=7 for distinct default EAGLE-3 taps (2, L//2, L-3) = (2, 3, 4).
@@ -125,6 +139,17 @@ def _release_compiled_programs():
     import jax
 
     jax.clear_caches()
+
+
+def slow_except(values, fast, *, one_argument: bool = False) -> list:
+    """Parametrize `values` (tuples for several arguments, unless `one_argument`) with those not
+    in `fast` marked slow: the fast suite runs a cover of the matrix (each method, K and switch
+    at least once), `pytest -m slow` runs the rest of it."""
+    out = []
+    for value in values:
+        args = value if isinstance(value, tuple) and not one_argument else (value,)
+        out.append(pytest.param(*args, marks=() if value in fast else pytest.mark.slow))
+    return out
 
 
 TINY_VOCAB = 64  # the vocabulary of `tiny_target`; its last id is `tiny_head`'s mask token

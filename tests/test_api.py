@@ -4,6 +4,7 @@ fails on the old code."""
 from __future__ import annotations
 
 import pytest
+from conftest import slow_except
 
 from peagle_jax.api import chat_ids, resolve_drafter
 from peagle_jax.checkpoints.default_model import DEFAULT_HEADS
@@ -146,7 +147,7 @@ def test_generate_cli_with_the_default_model_name(capsys):
     assert "using the shipped draft head smollm2-135m-peagle" in err and "[peagle]" in err
 
 
-@pytest.mark.parametrize("method", sorted(DEFAULT_HEADS))
+@pytest.mark.parametrize("method", slow_except(sorted(DEFAULT_HEADS), fast={"peagle"}))
 def test_shipped_heads_carry_their_lm_head_and_match_their_manifest(method):
     # vLLM substitutes the target's full lm_head when a head has none, and then accepts no drafts.
     import json
@@ -191,6 +192,7 @@ def test_reexport_of_a_shipped_head_is_bit_identical(tmp_path):
         export_main(["--head", str(head), "--out", str(head)])
 
 
+@pytest.mark.slow
 def test_export_gives_a_head_the_vocabulary_of_generated_answers(tmp_path):
     # `export --head H --vocab-from DATA`: the draft vocabulary becomes the answers' most frequent
     # tokens (EOS forced in), the lm_head the target's rows for them, every other tensor unchanged.

@@ -65,6 +65,7 @@ def heads(tiny_dir, tmp_path_factory):
 # ----------------------------------------------------------------------------- acceptance.py
 
 
+@pytest.mark.slow
 def test_acceptance_tiny(tiny_dir, heads, tmp_path):
     from benchmarks import acceptance
 
@@ -137,6 +138,7 @@ def test_decode_speed_tiny(tiny_dir, tmp_path):
 VARIANTS = ["fp32", "bf16", "fp8_kv", "fp8_weights", "fp8_kv+fp8_weights"]
 
 
+@pytest.mark.slow
 def test_fp8_accuracy_tiny(tiny_dir, tmp_path):
     from benchmarks import fp8_accuracy
 

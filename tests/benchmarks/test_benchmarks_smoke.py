@@ -80,6 +80,7 @@ def test_offline_draft_cutoffs_are_rows_of_one_head():
         offline.parse_args(["--draft-cutoff", "1.5"])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not __import__("kernels_cpu").available(), reason="needs the CPU matmul kernel")
 def test_offline_draft_weights_are_rows_of_one_head():
     """--draft-weights native q7 q4: the shipped head loaded once per value (rows X/wnative,

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import slow_except
 from flax import nnx
 
 from peagle_jax.drafters.hybrid import HybridProposer
@@ -38,7 +39,8 @@ def _rows(tree_a, tree_b, upto):
             np.testing.assert_array_equal(a[:, :upto], b[:, :upto])
 
 
-@pytest.mark.parametrize("method", ["none", "peagle", "eagle3", "ngram", "peagle+ngram"])
+@pytest.mark.parametrize("method", slow_except(["none", "peagle", "eagle3", "ngram", "peagle+ngram"],
+                                                fast={"eagle3", "peagle+ngram"}))
 def test_chunked_prefill_matches_one_shot(tiny_target, tiny_head, method):
     target, head = tiny_target, tiny_head
     drafter = _drafter(method, head)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import slow_except
 
 from peagle_jax.drafters.ngram import NgramProposer, match_ngram
 from peagle_jax.generate import speculative_generate
@@ -57,7 +60,7 @@ def test_no_match_reports_no_drafts():
         NgramProposer(3, 2)
 
 
-@pytest.mark.parametrize("k", [1, 3, 7])
+@pytest.mark.parametrize("k", slow_except([1, 3, 7], fast={3}))
 def test_greedy_ngram_is_exactly_plain_decoding(target, reference, k):
     out = speculative_generate(target, None, PROMPTS, method="ngram", num_draft_tokens=k, max_new_tokens=32,
                                eos_token_ids=[EOS])
@@ -94,10 +97,9 @@ def test_ngram_refuses_heads_and_feature_drafters(target):
 # --------------------------------------------------------------------------- head + prompt lookup
 
 
-@pytest.mark.parametrize("method", ["peagle+ngram", "eagle3+ngram"])
-@pytest.mark.parametrize("k", [1, 3, 7])
-@pytest.mark.parametrize("head_draft_tokens", [None, 1])
-@pytest.mark.parametrize("two_chains", [False, True], ids=["one-chain", "two-chains"])
+@pytest.mark.parametrize("two_chains, head_draft_tokens, k, method", slow_except(
+    itertools.product([False, True], [None, 1], [1, 3, 7], ["peagle+ngram", "eagle3+ngram"]),
+    fast={(False, None, 3, "peagle+ngram"), (True, 1, 7, "eagle3+ngram"), (True, None, 1, "peagle+ngram")}))
 def test_greedy_hybrid_is_exactly_plain_decoding(target, reference, method, k, head_draft_tokens, two_chains):
     from peagle_jax.drafters import DrafterConfig, create_drafter
     from peagle_jax.drafters.hybrid import HybridProposer
@@ -111,6 +113,7 @@ def test_greedy_hybrid_is_exactly_plain_decoding(target, reference, method, k, h
     assert out.mean_acceptance_length > 1.0  # the lookup branch drafted the loops a random head cannot
 
 
+@pytest.mark.slow
 def test_hybrid_takes_the_lookup_where_the_context_matches_and_the_head_elsewhere(target):
     from peagle_jax.drafters import DrafterConfig, create_drafter
     from peagle_jax.drafters.drafting import DraftSettings, Pending
@@ -248,6 +251,7 @@ def test_hybrid_methods_resolve_through_the_front_door(target):
         load(None, method="peagle", head_draft_tokens=1)
 
 
+@pytest.mark.slow  # loads the default model
 def test_load_keeps_two_chains_only_where_they_are_exact(monkeypatch):
     """`load(two_chains=True)` verifies two chains only where this backend's attention gives a
     second chain's rows their natural bits (generate.tree.two_chains_exact_here); elsewhere it
@@ -265,6 +269,7 @@ def test_load_keeps_two_chains_only_where_they_are_exact(monkeypatch):
     assert llm.options["second_root"] is False and llm.drafter.second_root is False
 
 
+@pytest.mark.slow  # loads the default model
 def test_load_gives_the_head_its_second_root_or_refuses_it():
     """`load(second_root=True)` sets the head's flag where its two-chain verify is exact (and
     says so in `options`); without a head method it is refused before any model is loaded."""
@@ -297,6 +302,7 @@ def _assert_head_weights(llm, requested):
         assert {p.shape[-1] for p in packs} == ({64} if want == "q7" else {32, 64})
 
 
+@pytest.mark.slow  # loads the default model
 def test_load_gives_the_head_the_weights_asked_for():
     """draft_weights: "auto" takes 4-bit Linears where quantized weights are faster, "native"
     keeps bf16, "q7" and "q4" force theirs; the target's packed weights stay bf16 either way."""

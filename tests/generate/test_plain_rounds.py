@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import slow_except
 from flax import nnx
 
 from peagle_jax.generate import speculative_generate
@@ -49,7 +50,7 @@ def _run(target, head, config, schedule):
     return state
 
 
-@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+@pytest.mark.parametrize("method", slow_except(["peagle", "eagle3"], fast={"peagle"}))
 def test_plain_rounds_defer_the_drafter_exactly(tiny_target, tiny_head, method):
     target, head = tiny_target, tiny_head
     # 7 plain rounds (the K+1-row pending buffer fills and is written to the drafter once),

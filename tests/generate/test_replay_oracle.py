@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import slow_except
 
 from benchmarks import common
 from peagle_jax.drafters.reference import ReferenceDrafter, conditional_acceptance
@@ -47,7 +48,7 @@ def test_replayed_curve_is_followed_and_output_exact(target, reference):
     assert out.mean_acceptance_length == pytest.approx(1 + sum(CURVE), abs=0.3)
 
 
-@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+@pytest.mark.parametrize("method", slow_except(["peagle", "eagle3"], fast={"peagle"}))
 def test_head_runs_but_oracle_decides(target, reference, method):
     head = common.random_drafter(target, parallel=method == "peagle")
     with_head = ReferenceDrafter(np.asarray(reference.tokens), 128, acceptance=CURVE, head=head)

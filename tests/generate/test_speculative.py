@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.stats
+from conftest import slow_except
 from flax import nnx
 
 from peagle_jax.drafters import DrafterConfig, create_drafter
@@ -46,8 +49,8 @@ def _table(tokens: list[list[int]]) -> np.ndarray:
     return np.array([t + [EOS] * (n - len(t)) for t in tokens])
 
 
-@pytest.mark.parametrize("method", ["peagle", "eagle3"])
-@pytest.mark.parametrize("k", [1, 3, 7])
+@pytest.mark.parametrize("method, k", slow_except(itertools.product(["peagle", "eagle3"], [1, 3, 7]),
+                                                  fast={("peagle", 7), ("eagle3", 3)}))
 def test_greedy_exact_with_random_drafter(target, drafter, reference, method, k):
     out = speculative_generate(target, drafter, PROMPTS, method=method, num_draft_tokens=k,
                                max_new_tokens=24, eos_token_ids=[EOS])
@@ -55,6 +58,7 @@ def test_greedy_exact_with_random_drafter(target, drafter, reference, method, k)
     assert out.accepted_per_position.shape == (k,)
 
 
+@pytest.mark.slow  # an experimental option (docs/usage.md)
 @pytest.mark.parametrize("method", ["peagle", "eagle3"])
 @pytest.mark.parametrize("k", [1, 3])
 def test_second_root_keeps_greedy_exact_and_sampling_runs_one_chain(target, drafter, reference, method, k):
@@ -82,8 +86,8 @@ def test_second_choice_is_the_runner_up_never_the_first_draft(drafter):
     assert np.array_equal(branch.num_drafts, [1, 1, 1])
 
 
-@pytest.mark.parametrize("method", ["peagle", "eagle3"])
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("method, k", slow_except(itertools.product(["peagle", "eagle3"], [1, 3]),
+                                                  fast={("peagle", 3)}))
 def test_draft_cutoff_keeps_greedy_exact_and_verifies_only_confident_drafts(target, drafter, reference, method, k):
     """A head with a confidence cutoff gives plain decoding's tokens whatever it verifies: at a
     cutoff no draft clears, every round is a plain step (one token, nothing accepted); at 0,
@@ -133,7 +137,7 @@ def test_k_left_out_is_the_backends_measured_default(target, drafter, reference)
         speculative_generate(target, drafter, PROMPTS, num_draft_tokens=0, max_new_tokens=4)
 
 
-@pytest.mark.parametrize("k", [1, 3, 7])
+@pytest.mark.parametrize("k", slow_except([1, 3, 7], fast={3}))
 def test_oracle_reaches_k_plus_one_and_partial_oracle_is_exact(target, reference, k):
     budget = 24
     oracle = ReferenceDrafter(_table(reference.tokens), VOCAB)
@@ -245,7 +249,8 @@ def _exact_joint(target, prompt, temperature, top_p):
     return np.stack([p1[a] * probs_after(prompt + [a]) for a in range(SMALL_V)])
 
 
-@pytest.mark.parametrize("method", ["peagle", "eagle3", "ngram", "peagle+ngram", "peagle+ngram/2c", "peagle/cut"])
+@pytest.mark.parametrize("method", slow_except(
+    ["peagle", "eagle3", "ngram", "peagle+ngram", "peagle+ngram/2c", "peagle/cut"], fast={"peagle", "peagle+ngram"}))
 def test_sampling_matches_target_distribution(small_target, method):
     # peagle+ngram/2c: the hybrid built to verify both chains in greedy rounds; sampled rounds
     # take one chain per round (drafters.hybrid), which must stay exact. peagle/cut: a head
@@ -310,6 +315,7 @@ def _chi_square_p(samples: np.ndarray, exact: np.ndarray) -> float:
     return scipy.stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
+@pytest.mark.slow
 def test_sampling_stays_exact_with_a_capped_head_in_a_mixed_batch(small_target):
     # The hybrid's head drafts 1 where the lookup drafts K=3, in one batch: rows without a
     # match are verified in a 4-row forward but may accept only their one draft. Both halves

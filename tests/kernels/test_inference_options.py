@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import slow_except
 from flax import nnx
 
 from peagle_jax.drafters import DrafterConfig, create_drafter
@@ -29,7 +30,7 @@ def _logits(model, tokens):
     return np.asarray(model(t, jnp.arange(len(tokens))[None], model.init_cache(1, 32)).logits[0])
 
 
-@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+@pytest.mark.parametrize("method", slow_except(["peagle", "eagle3"], fast={"peagle"}))
 def test_triton_kernel_in_model_path_matches_reference(method):
     target, drafter = _pair()
     ref = speculative_generate(target, drafter, PROMPTS, method=method, num_draft_tokens=3, max_new_tokens=10)

@@ -7,10 +7,13 @@ whatever the number of rows in the call, which is what keeps speculative decodin
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import slow_except
 from flax import nnx
 
 import kernels_cpu
@@ -258,12 +261,14 @@ print(err, invariant)
 """
 
 
+_LOOP_ENV = {"default": {}, "no-amx": {"PEAGLE_CPU_KERNEL_NO_AMX": "1"}, "fma": {"PEAGLE_CPU_KERNEL_NO_DPBF16": "1"}}
+
+
 @needs_kernel
-@pytest.mark.parametrize("bits", ["q7", "q4"])
-@pytest.mark.parametrize("width", [576, 577])
-@pytest.mark.parametrize("extra_env", [{}, {"PEAGLE_CPU_KERNEL_NO_AMX": "1"}, {"PEAGLE_CPU_KERNEL_NO_DPBF16": "1"}],
-                         ids=["default", "no-amx", "fma"])
-def test_quantized_matmul_is_the_dequantized_product_and_row_invariant(extra_env, width, bits):
+@pytest.mark.parametrize("loops, width, bits", slow_except(
+    itertools.product(_LOOP_ENV, [576, 577], ["q7", "q4"]),
+    fast={("default", 576, "q7"), ("no-amx", 577, "q4"), ("fma", 577, "q7")}))
+def test_quantized_matmul_is_the_dequantized_product_and_row_invariant(loops, width, bits):
     """x @ pack_q7(w) (or pack_q4(w)) equals x times the weights `unpack_q7` (`unpack_q4`) gives
     back, to float32 accuracy (the AMX and dot-product loops' bias of 192 or 136 * sum(x) and the
     FMA loop's 64 or 8 * sum(x) cancel), in every loop the host has (the library picks one per
@@ -274,7 +279,7 @@ def test_quantized_matmul_is_the_dequantized_product_and_row_invariant(extra_env
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PEAGLE_CPU_KERNEL_")} | extra_env
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PEAGLE_CPU_KERNEL_")} | _LOOP_ENV[loops]
     done = subprocess.run([sys.executable, "-c", _Q7_SCRIPT, str(width), bits], check=True, env=env, timeout=300,
                           capture_output=True, text=True)
     err, invariant = done.stdout.split()[-2:]
@@ -332,7 +337,7 @@ def test_q4_packing_keeps_four_bits_of_the_least_error_clip():
 
 
 @needs_kernel
-@pytest.mark.parametrize("bits", ["q7", "q4"])
+@pytest.mark.parametrize("bits", slow_except(["q7", "q4"], fast={"q4"}))
 def test_quantized_head_keeps_greedy_tokens_and_drafts_like_bf16(bits):
     """A head with 7-bit weights (or 4-bit Linears beside a 7-bit lm_head): every packed weight
     is bytes, greedy speculative tokens are still plain decoding's (drafts are verified), and

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import slow_except
 
 import kernels_cpu
 from peagle_jax.kernels import attention
@@ -113,7 +114,8 @@ print(float(err), np.array_equal(full[1:2, 2:3], alone), second_chain_mismatches
 
 
 @needs_kernel
-@pytest.mark.parametrize("switch", ["PEAGLE_CPU_KERNEL_NO_DPBF16", "PEAGLE_CPU_KERNEL_NO_AMX"])
+@pytest.mark.parametrize("switch", slow_except(["PEAGLE_CPU_KERNEL_NO_DPBF16", "PEAGLE_CPU_KERNEL_NO_AMX"],
+                                                fast={"PEAGLE_CPU_KERNEL_NO_DPBF16"}))
 def test_the_other_loops_keep_the_invariances(switch):
     """The tests above run the loop this host picks: AMX score tiles where the matmuls use AMX,
     else 16-pair dot products where the CPU has AVX512-BF16 (head dims in multiples of 32), else
@@ -154,6 +156,7 @@ def test_dispatch_and_fallbacks(caplog):
 
 
 @needs_kernel
+@pytest.mark.slow  # loads the default model
 def test_load_puts_attention_on_the_kernel_with_the_matmuls():
     """`load` on CPU in bf16: matmuls and attention on the kernels; float32 keeps XLA for both."""
     from peagle_jax.api import load

@@ -86,6 +86,7 @@ def test_policy_settings_are_checked():
         AdaptivePolicy(explore_every=1)
 
 
+@pytest.mark.slow
 def test_adaptive_engine_output_equals_plain_decoding_and_reports_its_choices():
     # A random head accepts nothing, so the engine turns speculation off after measuring both
     # rounds; the text never changes (plain rounds are exact), and /metrics shows the choices.

@@ -20,6 +20,7 @@ import time
 import httpx
 import openai
 import pytest
+from conftest import slow_except
 
 from peagle_jax.api import chat_ids
 from peagle_jax.generate import speculative_generate
@@ -374,7 +375,8 @@ _SIGTERM_SERVER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("drain,max_tokens,reason", [(60, 100, "length"), (0, 480, "abort")])
+@pytest.mark.parametrize("drain,max_tokens,reason", slow_except([(60, 100, "length"), (0, 480, "abort")],
+                                                             fast={(0, 480, "abort")}))
 def test_sigterm_drains_then_ends_every_stream_and_exits_0(drain, max_tokens, reason):
     # Within the drain time a stream runs to its end; past it, it still ends properly: a last
     # chunk with finish_reason "abort" and [DONE], never a cut connection. Exit status 0 both ways.

@@ -177,6 +177,7 @@ def _compiled(engine):
     return {name: fn._cache_size() for name, fn in fns.items()}
 
 
+@pytest.mark.slow
 def test_long_prompts_prefill_in_chunks_between_rounds_and_nothing_compiles_after_warmup(models):
     # A 100-token prompt on a 32-token chunk: three chunks and a 4-token tail, each run
     # between two rounds of the stream already decoding; short prompts arriving together
@@ -224,6 +225,7 @@ def test_long_prompts_prefill_in_chunks_between_rounds_and_nothing_compiles_afte
     assert _compiled(run.engine) == compiled
 
 
+@pytest.mark.slow
 def test_engine_load_benchmark_counts_every_token_and_times_the_phases(models):
     """benchmarks.engine_load's closed loop: every request runs to its budget (no EOS ids), with
     at most `concurrency` in flight, and the phase timer sees the rounds and prefills."""

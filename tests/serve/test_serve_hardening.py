@@ -43,6 +43,7 @@ def _metric(url: str, name: str) -> float:
 # --------------------------------------------------------------------------- one request, one failure
 
 
+@pytest.mark.slow
 def test_poisoned_request_fails_alone_and_neighbours_are_byte_identical(models):
     target, drafter, tok, eos = models
     engine = Engine(target, drafter, tok, eos, method="peagle", num_draft_tokens=K, max_batch_size=4,

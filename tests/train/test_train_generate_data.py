@@ -26,6 +26,7 @@ def llm():
     return LoadedModel.from_target(create_model(cfg, seed=3), tok, eos_ids=eos_token_ids(tok), name="tiny")
 
 
+@pytest.mark.slow
 def test_prompt_mix_covers_the_domains_and_keeps_the_splits_apart():
     train, val = build_prompts("train", math_problems=200), build_prompts("val", math_problems=200)
     domains = {p.domain for p in train}

@@ -113,6 +113,7 @@ def test_data_parallel_two_fake_devices_matches_one(tmp_path):
     np.testing.assert_allclose(res["2"], res["1"], rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_fine_tuning_starts_from_the_saved_head_and_keeps_its_vocabulary(tmp_path):
     from peagle_jax.train.export import export
 
