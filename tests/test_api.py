@@ -172,6 +172,7 @@ def test_shipped_heads_carry_their_lm_head_and_match_their_manifest(method):
     assert {name: sha256_file(head / name) for name in files} == {n: v["sha256"] for n, v in files.items()}
 
 
+@pytest.mark.slow
 def test_reexport_of_a_shipped_head_is_bit_identical(tmp_path):
     # `export --head` rewrote the shipped heads with their lm_head; doing it again changes nothing.
     import numpy as np

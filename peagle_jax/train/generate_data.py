@@ -215,7 +215,7 @@ def generate_answers(llm, prompts: Sequence[Prompt], folder: Path, *, split: str
             buffer.clear()
             on_shard(path)
 
-    def on_done(rec: Record, budget: float) -> bool:
+    def on_done(rec: Record, budget: int | float) -> bool:
         nonlocal total, fresh
         buffer.append(rec)
         total += len(rec.response)

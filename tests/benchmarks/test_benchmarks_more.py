@@ -107,6 +107,7 @@ def test_acceptance_summarize():
 # ----------------------------------------------------------------------------- decode_speed.py
 
 
+@pytest.mark.slow
 def test_decode_speed_tiny(tiny_dir, tmp_path):
     from benchmarks import decode_speed
 

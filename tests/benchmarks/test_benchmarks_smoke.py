@@ -169,6 +169,7 @@ def _tiny_server_app(*, with_eos: bool):
                             eos_ids=eos_token_ids(tok) if with_eos else [])
 
 
+@pytest.mark.slow
 def test_online_against_real_server(tmp_path):
     from benchmarks import online
     from peagle_jax.serve.testing import serve_in_thread

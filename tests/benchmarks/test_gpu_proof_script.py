@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -21,6 +23,7 @@ def _run(tmp: Path, src: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_reassembles_checks_and_finds_the_model(tmp_path):
     blob = os.urandom(3000)
     src = tmp_path / "src"

@@ -323,6 +323,7 @@ def test_load_gives_the_head_the_weights_asked_for():
     _assert_head_weights(llm, "auto")
 
 
+@pytest.mark.slow  # loads the default model
 def test_load_gives_the_head_its_draft_cutoff_or_refuses_it():
     """The head gets the backend's default cutoff (0.1 on CPU) or the one asked for; a cutoff
     outside [0, 1), without a head method, or beside second_root is refused before loading."""
@@ -352,6 +353,7 @@ def target_bf16():
     return create_model(cfg, seed=5)
 
 
+@pytest.mark.slow  # two chains: an experimental option
 @pytest.mark.parametrize("winner", ["second", "main"])
 def test_two_chain_verify_keeps_the_longer_chain_bitwise(target_bf16, winner):
     """One forward over [root | main | second]: the winning chain is accepted as far as plain

@@ -202,6 +202,7 @@ def test_choose_matmul_paths_and_errors():
     assert choose_matmul(bf16, "xla") == "xla" and _packed_count(bf16) == 0
 
 
+@pytest.mark.slow
 @needs_kernel
 def test_packed_model_and_head_decode_like_plain():
     """Target and head both on the kernel: every Linear and both lm_heads packed; greedy
@@ -337,7 +338,8 @@ def test_q4_packing_keeps_four_bits_of_the_least_error_clip():
 
 
 @needs_kernel
-@pytest.mark.parametrize("bits", slow_except(["q7", "q4"], fast={"q4"}))
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", ["q7", "q4"])
 def test_quantized_head_keeps_greedy_tokens_and_drafts_like_bf16(bits):
     """A head with 7-bit weights (or 4-bit Linears beside a 7-bit lm_head): every packed weight
     is bytes, greedy speculative tokens are still plain decoding's (drafts are verified), and

@@ -98,7 +98,7 @@ def test_padding_rows_that_see_nothing_give_zeros():
 _OTHER_LOOP_SCRIPT = """
 import sys
 import numpy as np, jax.numpy as jnp
-sys.path.insert(0, sys.argv[1])
+sys.path[:0] = [sys.argv[1], sys.argv[2]]  # this test's folder, and tests/ for its conftest
 import kernels_cpu
 from test_kernels_cpu_attention import _inputs, _f32
 from kernels_pallas.cache_attention import cache_attention_reference
@@ -129,7 +129,8 @@ def test_the_other_loops_keep_the_invariances(switch):
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("PEAGLE_CPU_KERNEL_")}
     env[switch] = "1"
-    done = subprocess.run([sys.executable, "-c", _OTHER_LOOP_SCRIPT, str(Path(__file__).parent)], check=True,
+    here = Path(__file__).parent
+    done = subprocess.run([sys.executable, "-c", _OTHER_LOOP_SCRIPT, str(here), str(here.parent)], check=True,
                           env=env, timeout=300, capture_output=True, text=True)
     err, same, mismatches = done.stdout.split()[-3:]
     assert float(err) < 2e-2 and same == "True" and mismatches == "0", done.stdout

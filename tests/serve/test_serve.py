@@ -58,7 +58,7 @@ def server(models):
     target, drafter, tok, eos = models
     # prefill_chunk 64: the warm-up compiles 9 prefill shapes instead of 21 (longer prompts go in chunks)
     config = ServeConfig(max_batch_size=4, max_model_len=MAX_LEN, num_draft_tokens=K, api_key=KEY,
-                         max_queue_size=64, prefill_chunk=64, served_model_name=MODEL)
+                         max_queue_size=64, prefill_chunk=64, served_model_name=MODEL, warmup=False)
     app = create_app(config, target=target, drafter=drafter, tokenizer=tok, eos_ids=eos)
     with serve_in_thread(app) as url:
         yield url
@@ -358,7 +358,7 @@ def test_queue_full_gives_429(models):
 
 _SIGTERM_SERVER = textwrap.dedent("""
     import sys
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = [{tests!r}, {tests_root!r}]  # test_serve.py's folder, and tests/ for its conftest
     from test_serve import _tiny_models
     from peagle_jax.serve import ServeConfig, create_app, run
     target, drafter, tok, eos = _tiny_models()
@@ -381,7 +381,8 @@ def test_sigterm_drains_then_ends_every_stream_and_exits_0(drain, max_tokens, re
     # Within the drain time a stream runs to its end; past it, it still ends properly: a last
     # chunk with finish_reason "abort" and [DONE], never a cut connection. Exit status 0 both ways.
     port = free_port()
-    script = _SIGTERM_SERVER.format(tests=os.path.dirname(__file__), port=port, drain=drain)
+    script = _SIGTERM_SERVER.format(tests=os.path.dirname(__file__),
+                                    tests_root=os.path.dirname(os.path.dirname(__file__)), port=port, drain=drain)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -411,6 +412,7 @@ def test_sigterm_drains_then_ends_every_stream_and_exits_0(drain, max_tokens, re
             proc.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "peagle+ngram/2c"])
 def test_context_drafter_server_equals_plain_decoding(models, method):
     # Through the server's slot engine, greedy completions are exactly plain decoding's with

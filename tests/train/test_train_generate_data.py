@@ -97,6 +97,7 @@ def test_shards_round_trip_atomically_and_refuse_bad_input(tmp_path):
         read_records(tmp_path, "train")
 
 
+@pytest.mark.slow
 def test_magpie_starts_from_the_user_turn_and_resumes(llm, tmp_path):
     prefix = user_turn_prefix(llm.tokenizer)
     assert prefix.endswith("<|im_start|>user\n") and "<|im_start|>system" in prefix

@@ -91,7 +91,7 @@ DP_SCRIPT = textwrap.dedent("""
     import json, sys
     import jax
     assert jax.device_count() == 2, jax.devices()
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = [{tests!r}, {tests_root!r}]  # this test's folder, and tests/ for its conftest
     from test_train_loop import _cfg
     from pathlib import Path
     from peagle_jax.train.train import Trainer
@@ -106,7 +106,7 @@ DP_SCRIPT = textwrap.dedent("""
 @pytest.mark.slow
 def test_data_parallel_two_fake_devices_matches_one(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    script = DP_SCRIPT.format(tests=str(ROOT / "tests"), tmp=str(tmp_path))
+    script = DP_SCRIPT.format(tests=str(Path(__file__).parent), tests_root=str(ROOT / "tests"), tmp=str(tmp_path))
     p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout.split("RESULT", 1)[1])
@@ -136,6 +136,7 @@ def test_fine_tuning_starts_from_the_saved_head_and_keeps_its_vocabulary(tmp_pat
         Trainer(_cfg(tmp_path, "clash2", **{"drafter.init_from": str(head), "objective.method": "eagle3"}))
 
 
+@pytest.mark.slow
 def test_fine_tuning_can_give_the_head_the_data_vocabulary(tmp_path):
     """init_vocab=data: the run's most frequent tokens become the draft vocabulary, every trained
     weight is the saved head's, and the lm_head is the target's rows for the new ids."""
