@@ -143,8 +143,8 @@ def _release_compiled_programs():
 
 def slow_except(values, fast, *, one_argument: bool = False) -> list:
     """Parametrize `values` (tuples for several arguments, unless `one_argument`) with those not
-    in `fast` marked slow: the fast suite runs a cover of the matrix (each method, K and switch
-    at least once), `pytest -m slow` runs the rest of it."""
+    in `fast` marked slow: the fast suite runs a cover (across a test file, each method, K and
+    switch at least once), `pytest -m slow` runs the rest of the matrix."""
     out = []
     for value in values:
         args = value if isinstance(value, tuple) and not one_argument else (value,)

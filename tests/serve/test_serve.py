@@ -56,7 +56,8 @@ def models():
 @pytest.fixture(scope="module")
 def server(models):
     target, drafter, tok, eos = models
-    # prefill_chunk 64: the warm-up compiles 9 prefill shapes instead of 21 (longer prompts go in chunks)
+    # No warm-up: each test compiles only the programs it meets (the warm-up itself is
+    # tests/serve/test_serve_engine_parts.py's); prefill_chunk 64 keeps those to 9 prefill shapes.
     config = ServeConfig(max_batch_size=4, max_model_len=MAX_LEN, num_draft_tokens=K, api_key=KEY,
                          max_queue_size=64, prefill_chunk=64, served_model_name=MODEL, warmup=False)
     app = create_app(config, target=target, drafter=drafter, tokenizer=tok, eos_ids=eos)
