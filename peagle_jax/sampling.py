@@ -18,6 +18,7 @@ are distributed exactly as if sampled from the (processed) target distribution.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -234,9 +235,19 @@ def _first_valid_hit(hit: Array, valid: Array) -> Int[Array, "..."]:
 
 
 def _uniform(key: Keys, shape: tuple[int, ...]) -> Float[Array, "..."]:
+    """Uniforms in [0, 1). With per-row keys, element i of a row comes from the row's key folded
+    with i, so it does not depend on how many are drawn: a round verifies as many drafts as its
+    widest row needs, and a row's draws must not change with what else shares the batch."""
     if key.ndim == 0:
         return jax.random.uniform(key, shape, dtype=jnp.float32)
-    return jax.vmap(lambda k: jax.random.uniform(k, shape[1:], dtype=jnp.float32))(key)
+    rest = shape[1:]
+    index = jnp.arange(math.prod(rest), dtype=jnp.uint32)
+
+    def row(k):
+        draw = jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(k, i), (), dtype=jnp.float32))
+        return draw(index).reshape(rest)
+
+    return jax.vmap(row)(key)
 
 
 def _num_accepted(accept: Array) -> Int[Array, " B"]:

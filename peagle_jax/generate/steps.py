@@ -203,7 +203,8 @@ def _plain_step(target: CausalLM, state: SpecState, key: jax.Array, greedy: bool
     else:
         sp = state.sampling
         probs = sampling.process_logits(out.logits, sp.temperature, sp.top_k, sp.top_p)
-        nxt = sampling.sample_from_probs(key, probs)[:, 0]
+        # the key a verify with no accepted draft draws its token with (`accept_rejection`)
+        nxt = sampling.sample_from_probs(sampling.split_keys(key, 2)[1], probs)[:, 0]
     return out, jnp.zeros_like(nxt), nxt
 
 
@@ -351,9 +352,10 @@ def _plain_round(target: CausalLM, drafter: Proposer, state: SpecState, config: 
 def spec_round(target: CausalLM, drafter: Proposer | None, state: SpecState, config: SpecConfig) -> SpecState:
     """One speculative round over the whole batch (finished sequences are frozen)."""
     active = ~state.done
-    # Per-sequence keys advanced by the sequence's own round count: a request's samples
-    # depend only on its seed, not on when it joined the batch or who else is in it.
-    key = jax.vmap(jax.random.fold_in)(state.key, state.rounds)
+    # Per-sequence keys folded with the sequence's own position: a request's samples depend
+    # only on its seed and its text, not on when it joined the batch, who else is in it, or
+    # whether this round speculates (`_plain_step` draws as a verify that accepts no draft).
+    key = jax.vmap(jax.random.fold_in)(state.key, state.target_cache.lengths)
     k_draft, k_verify = sampling.split_keys(key, 2)
     k = config.num_draft_tokens
     n = state.target_cache.lengths

@@ -208,6 +208,34 @@ def test_seed_reproducible_whatever_shares_the_batch(client):
     assert len(set(texts + [alone])) > 1  # different seeds really sample differently
 
 
+def test_seeded_chat_holds_beside_greedy_neighbours(client):
+    """A seeded sampled chat request gives the same text alone and beside 1, 3 and 7 greedy
+    neighbours, with its drafts on or off (`num_speculative_tokens` 0): the neighbours change
+    the round's verify width and whether the round speculates, never the request's draws."""
+    import concurrent.futures
+
+    messages = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
+    seeded = dict(model=MODEL, messages=messages, max_tokens=24, temperature=0.8, top_p=0.95, seed=777)
+    greedy = dict(model=MODEL, max_tokens=24, temperature=0)
+
+    def run(neighbours: int, limit: int | None) -> str:
+        extra = {} if limit is None else {"extra_body": {"num_speculative_tokens": limit}}
+        with concurrent.futures.ThreadPoolExecutor(neighbours + 1) as pool:
+            others = [pool.submit(client.chat.completions.create,
+                                  messages=[{"role": "user", "content": f"Count to {i + 5}, please."}], **greedy)
+                      for i in range(neighbours)]
+            mine = pool.submit(client.chat.completions.create, **seeded, **extra)
+            for f in others:
+                f.result()
+            return mine.result().choices[0].message.content
+
+    for limit in (None, 0):
+        alone = run(0, limit)
+        assert run(0, limit) == alone
+        for neighbours in (1, 3, 7):
+            assert run(neighbours, limit) == alone, (limit, neighbours)
+
+
 # --------------------------------------------------------------------------- load
 
 
