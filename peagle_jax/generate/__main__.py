@@ -36,7 +36,9 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --max-new-tokens must be positive", file=sys.stderr)
         return 2
     from peagle_jax.api import load
+    from peagle_jax.compile_cache import enable_compilation_cache
 
+    enable_compilation_cache()  # a second run loads its programs instead of compiling them
     t0 = time.perf_counter()
     try:
         llm = load(options=options_from_args(args))

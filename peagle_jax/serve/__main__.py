@@ -16,6 +16,7 @@ import threading
 import uvicorn
 from pydantic import ValidationError
 
+from peagle_jax.compile_cache import enable_compilation_cache
 from peagle_jax.serve.config import ServeConfig, build_parser, config_from_args, format_validation_error
 
 log = logging.getLogger("peagle_jax.serve")
@@ -83,10 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if config.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding to %s: the server is reachable from other machines%s", config.host,
                     "" if config.api_key else " and has NO API key (--api-key)")
-    if config.compilation_cache_dir:
-        import jax
-
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.compilation_cache_dir))
+    enable_compilation_cache(config.compilation_cache_dir)
     from peagle_jax.serve.app import create_app
 
     try:

@@ -24,6 +24,7 @@ shares its batch (`serve.engine`).
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections import deque
 from collections.abc import Sequence
 
@@ -39,6 +40,8 @@ class AdaptivePolicy:
     window: int = 9  # recent round times per kind of round; their median is its cost
     samples: dict[tuple[int, bool, bool], deque] = dataclasses.field(default_factory=dict)
     rounds: int = 0
+    # The engine thread observes rounds while the background warm-up times other buckets'.
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __post_init__(self):
         if self.explore_every < 2 or not 0 < self.smoothing <= 1 or self.prior_weight < 0:
@@ -74,16 +77,20 @@ class AdaptivePolicy:
         return (not best) if self.rounds % self.explore_every == 0 else best
 
     def observe_round(self, rows: int, speculate: bool, greedy: bool, seconds: float) -> None:
-        self.samples.setdefault((rows, speculate, greedy), deque(maxlen=self.window)).append(seconds)
+        with self._lock:
+            self.samples.setdefault((rows, speculate, greedy), deque(maxlen=self.window)).append(seconds)
 
     def cost(self, rows: int, speculate: bool, greedy: bool) -> float | None:
         """Seconds per round of this kind: the median of the recent ones (a stray slow round,
         e.g. one that shared the CPU with a compile, does not move it); None if never run."""
-        got = self.samples.get((rows, speculate, greedy))
+        with self._lock:
+            got = list(self.samples.get((rows, speculate, greedy), ()))
         return float(np.median(got)) if got else None
 
     def cost_table(self) -> dict[tuple[int, bool, bool], float]:
-        return {key: self.cost(*key) for key in self.samples}
+        with self._lock:
+            kinds = list(self.samples)
+        return {key: self.cost(*key) for key in kinds}
 
     def observe_acceptance(self, accepted: int) -> None:
         """One sequence's accepted drafts in a speculative round."""

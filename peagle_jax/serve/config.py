@@ -78,7 +78,8 @@ class ServeConfig(Options):
     warmup: bool = Field(True, description="compile every round and prefill shape before accepting requests")
     compilation_cache_dir: str | None = Field(
         None, description="JAX's persistent compilation cache: a restart loads the warm-up's programs instead of "
-        "compiling them (also JAX_COMPILATION_CACHE_DIR); keep one directory per machine type")
+        "compiling them. Default: one folder per machine kind in the user's cache (peagle_jax.compile_cache); "
+        "'off': no cache")
     drain_timeout: float = Field(30.0, ge=0, description="seconds to finish in-flight requests on SIGTERM")
     # --- HTTP
     host: str = "127.0.0.1"
@@ -147,7 +148,8 @@ _FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
                                                "prompts are prefilled in chunks between other sequences' rounds")),
     (("--seed",), dict(type=int)),
     (("--no-warmup",), dict(action="store_const", const=False, dest="warmup")),
-    (("--compilation-cache-dir",), dict(help="persistent XLA compilation cache (restarts skip the compiles)")),
+    (("--compilation-cache-dir",), dict(help="persistent XLA compilation cache (restarts skip the compiles); "
+                                       "default: the user's cache, 'off': none")),
     (("--drain-timeout",), dict(type=float, help="seconds to finish in-flight requests on SIGTERM")),
     (("--host",), dict(help="bind address (default 127.0.0.1: localhost only)")),
     (("--port",), dict(type=int)),

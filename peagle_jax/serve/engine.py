@@ -28,7 +28,7 @@ from peagle_jax.serve.adaptive import AdaptivePolicy
 from peagle_jax.serve.metrics import Metrics
 from peagle_jax.serve.output import Delta, Failed, Finished, OutputProcessor, end_reason
 from peagle_jax.serve.requests import EngineStopped, GenRequest, QueueFull
-from peagle_jax.serve.runner import Runner
+from peagle_jax.serve.runner import Runner, run_waves
 from peagle_jax.serve.scheduler import Scheduler, batch_buckets, check_prefill_chunk, check_request, prefill_shapes
 
 log = logging.getLogger("peagle_jax.serve")
@@ -68,6 +68,8 @@ class Engine:
         self.output = OutputProcessor(tokenizer, self.metrics)
         self._cv = threading.Condition()  # guards the scheduler's queue and prefill jobs
         self._thread: threading.Thread | None = None
+        self._warm_thread: threading.Thread | None = None
+        self._compiling: list[str] = []  # warm-up jobs not yet run (guarded by _cv)
         self._stopping = False  # no new requests
         self._abort = False  # cancel everything and exit
         self.started = False
@@ -75,16 +77,54 @@ class Engine:
     # ------------------------------------------------------------------ public API
 
     def start(self, warmup: bool = True) -> None:
+        """Start the loop thread. With `warmup`, first compile what the smallest batch needs
+        (`Runner.warmup_plan`), then serve while a background thread compiles the rest
+        (`compiling` names what is left; `wait_warm` waits for it)."""
         self.runner.reset(self.buckets[0])
+        rest = []
         if warmup:
             t0 = time.perf_counter()
             c = self.scheduler.prefill_chunk
-            self.runner.warmup(self.buckets, self.scheduler.prefill_shapes, c, with_chunk=self.max_model_len > c)
+            first, rest = self.runner.warmup_plan(self.buckets, self.scheduler.prefill_shapes, c,
+                                                  with_chunk=self.max_model_len > c)
+            self._compiling = [name for wave in first + rest for name, _ in wave]
+            run_waves(first, self._compiled)
             self.scheduler.reset()
-            log.info("engine compiled and warmed up in %.1fs", time.perf_counter() - t0)
+            log.info("engine ready in %.1fs; %d programs left to compile in the background", time.perf_counter() - t0,
+                     len(self._compiling))
         self._thread = threading.Thread(target=self._run, name="peagle-engine", daemon=True)
         self._thread.start()
         self.started = True
+        if rest:
+            self._warm_thread = threading.Thread(target=self._warm_rest, args=(rest,), name="peagle-warmup",
+                                                 daemon=True)
+            self._warm_thread.start()
+
+    def _compiled(self, name: str) -> None:
+        with self._cv:
+            self._compiling.remove(name)
+
+    def _warm_rest(self, waves) -> None:
+        t0 = time.perf_counter()
+        try:
+            run_waves(waves, self._compiled)
+        except Exception:  # the programs left then compile when a request first needs them
+            log.exception("background compile failed; the programs left compile on first use")
+            with self._cv:
+                self._compiling.clear()
+        else:
+            log.info("background compile done in %.1fs", time.perf_counter() - t0)
+
+    def compiling(self) -> list[str]:
+        """The warm-up jobs still to run (empty once warm)."""
+        with self._cv:
+            return list(self._compiling)
+
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        """Wait for the background compile; True once nothing is left to compile."""
+        if self._warm_thread is not None:
+            self._warm_thread.join(timeout)
+        return not self.compiling()
 
     def submit(self, req: GenRequest) -> None:
         """Queue one request. Raises QueueFull / EngineStopped / ValueError (see `submit_all`)."""

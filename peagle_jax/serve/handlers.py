@@ -41,7 +41,7 @@ Context = Annotated[ServerContext, Depends(get_context)]
 
 @router.api_route("/health", methods=["GET", "HEAD"])
 async def health(ctx: Context) -> Health:
-    return Health(model=ctx.model_name, method=ctx.method, **ctx.engine.stats())
+    return Health(model=ctx.model_name, method=ctx.method, compiling=ctx.engine.compiling(), **ctx.engine.stats())
 
 
 @router.get("/metrics")

@@ -219,3 +219,4 @@ class Health(BaseModel):
     status: Literal["ok"] = "ok"
     model: str
     method: str
+    compiling: list[str] = []  # warm-up jobs still compiling in the background (requests that need one wait)

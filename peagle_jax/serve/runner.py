@@ -7,11 +7,12 @@ policy, measures every kind of round (`_time_rounds`)."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -28,9 +29,35 @@ from peagle_jax.serve.scheduler import pow2
 
 log = logging.getLogger("peagle_jax.serve")
 
-__all__ = ["Runner"]
+__all__ = ["Job", "Runner", "Wave", "release_free_memory", "run_waves"]
 
 _COMPILE_THREADS = max(1, min(4, os.cpu_count() or 1))  # programs the warm-up compiles side by side
+
+Job = tuple[str, Callable[[], object]]  # a name for logs and /health, and what it runs
+Wave = list[Job]  # jobs that may run side by side
+
+
+def release_free_memory() -> None:
+    """Hand the allocator's free pages back to the system (glibc's `malloc_trim`; elsewhere a
+    no-op). XLA's compiles free most of what they allocate, but glibc keeps it: after the
+    default server's warm-up the process held 8.0 GB, 2.9 GB of it in use
+    (results/serve_startup/README.md)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def run_waves(waves: Sequence[Wave], on_done: Callable[[str], None] = lambda name: None) -> None:
+    """Run the waves one after another, each wave's jobs side by side (XLA compiles one program
+    on one core; the compiler releases the GIL, so threads about halve a warm-up on 2 cores)."""
+    with ThreadPoolExecutor(max_workers=_COMPILE_THREADS) as pool:
+        for wave in waves:
+            t0 = time.perf_counter()
+            for name, _ in zip((n for n, _ in wave), pool.map(lambda job: job[1](), wave), strict=True):
+                on_done(name)
+            log.info("warm-up: %s in %.1fs", ", ".join(n for n, _ in wave), time.perf_counter() - t0)
+    release_free_memory()
 
 
 class Runner:
@@ -185,69 +212,82 @@ class Runner:
 
     # ------------------------------------------------------------------ warm-up
 
-    def warmup(self, buckets: Sequence[int], shapes: Sequence[tuple[int, int]], chunk: int, *,
-               with_chunk: bool = True) -> None:
-        """Compile everything a request can meet, so none waits on a compile: every prefill shape
-        (`prefill_shapes`) and the prompt chunk (unless no prompt is long enough for one), and at
-        every batch bucket the inserts of each prefill size, both round variants (greedy and
-        sampled), the finish and the moves to the next bucket up and down."""
-        t0 = time.perf_counter()
-        for nb in sorted({nb for nb, _ in shapes}):  # the small programs first, once each
-            jax.block_until_ready((self.context(nb), keys_from_seeds(jnp.zeros((nb,), jnp.uint32))))
+    def warmup_plan(self, buckets: Sequence[int], shapes: Sequence[tuple[int, int]], chunk: int, *,
+                    with_chunk: bool = True, first_prompt_bucket: int = 64) -> tuple[list[Wave], list[Wave]]:
+        """Every program a request can meet, in two plans of named jobs: what the server needs
+        before it says ready (one-row prefills of prompts up to `first_prompt_bucket` tokens, and
+        the programs of the smallest batch bucket), and the rest, which may compile while it
+        serves (a request that meets a program not yet compiled waits for that compile).
 
-        def compile_prefill(shape):
+        A plan is a list of waves run one after another; a wave's jobs compile side by side. Jobs
+        work on states of their own, never on `self.state`. With an adaptive policy, a last wave
+        measures the plan's buckets' rounds (`_time_rounds`), apart from the compiles.
+        """
+        news: dict[int, SpecState] = {}  # rows -> a prefilled state (one live row in row 0)
+        prefill_rows = sorted({nb for nb, _ in shapes})
+
+        def prefill(shape: tuple[int, int]) -> None:
             nb, t = shape
-            sp = SamplingParams.full(nb, 1.0)
-            return nb, jax.block_until_ready(self.prefill(
+            news[nb] = jax.block_until_ready(self.prefill(
                 self.context(nb), jnp.zeros((nb, t), jnp.int32), jnp.zeros((nb,), jnp.int32),
-                jnp.ones((nb,), jnp.int32), jnp.full((nb,), 64, jnp.int32), sp,
+                jnp.ones((nb,), jnp.int32), jnp.full((nb,), 64, jnp.int32), SamplingParams.full(nb, 1.0),
                 keys_from_seeds(jnp.zeros((nb,), jnp.uint32)), False))
 
-        def compile_chunk():
+        def prompt_chunk() -> None:
             jax.block_until_ready(self.programs.chunk(
                 self.programs.weights, self.context(1), jnp.zeros((1, chunk), jnp.int32),
                 jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int32)))
 
-        # XLA compiles one program on one core: compile the shapes side by side (threads; the
-        # compiler releases the GIL), about halving this part of start-up on 2 cores.
-        with ThreadPoolExecutor(max_workers=_COMPILE_THREADS) as pool:
-            pending = pool.submit(compile_chunk) if with_chunk else None
-            news = dict(pool.map(compile_prefill, shapes))  # rows -> one prefilled state
-            if pending is not None:
-                pending.result()
-        log.info("compiled %d prefill shapes (rows x prompt bucket, chunk %d) in %.1fs", len(shapes), chunk,
-                 time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=_COMPILE_THREADS) as pool:
-            times = list(pool.map(functools.partial(self._compile_bucket, buckets, news), range(len(buckets))))
-        log.info("compiled the rounds of batch buckets %s in %.1fs (%s s each, side by side)", list(buckets),
-                 time.perf_counter() - t0, ", ".join(f"{t:.1f}" for t in times))
-        if self.policy is not None:
-            self._time_rounds(buckets, news[1])
+        def timing(bs: Sequence[int]) -> Wave:
+            if self.policy is None:
+                return []
+            return [(f"timing the rounds at {list(bs)} rows", lambda: self._time_rounds(bs, news[1]))]
+
+        def plan(shape_list, bucket_ids, extra=()) -> list[Wave]:
+            waves = [[(f"prefill {nb}x{t}", functools.partial(prefill, (nb, t))) for nb, t in shape_list] + list(extra),
+                     [(f"rounds at {buckets[i]} rows", functools.partial(self._compile_bucket, buckets, prefill_rows,
+                                                                           news, i)) for i in bucket_ids],
+                     timing([buckets[i] for i in bucket_ids])]
+            return [w for w in waves if w]
+
+        first_shapes = [(nb, t) for nb, t in shapes if nb == 1 and t <= first_prompt_bucket] or [min(shapes)]
+        rest_shapes = [s for s in shapes if s not in first_shapes]
+        chunk_job = [(f"prompt chunk {chunk}", prompt_chunk)] if with_chunk else []
+        return plan(first_shapes, [0]), plan(rest_shapes, range(1, len(buckets)), chunk_job)
+
+    def warmup(self, buckets: Sequence[int], shapes: Sequence[tuple[int, int]], chunk: int, *,
+               with_chunk: bool = True) -> None:
+        """Compile (and time) everything `warmup_plan` lists, here and now; then an empty batch."""
+        first, rest = self.warmup_plan(buckets, shapes, chunk, with_chunk=with_chunk)
+        run_waves(first + rest)
         self.state = self.empty_state(buckets[0])
 
     def _one_row(self, b: int, new: SpecState) -> SpecState:
         """A `b`-row batch with the first row of `new` in row 0."""
         return insert_jit(self.empty_state(b), new, jnp.zeros((1,), jnp.int32))
 
-    def _compile_bucket(self, buckets: Sequence[int], news: dict[int, SpecState], i: int) -> float:
-        """Bucket i's programs, on a state of its own (buckets compile side by side)."""
+    def _compile_bucket(self, buckets: Sequence[int], prefill_rows: Sequence[int], news: dict[int, SpecState],
+                        i: int) -> None:
+        """Bucket i's programs, on states of their own: the inserts of each prefill size, both
+        rounds (greedy and sampled), the finish, and the moves from smaller buckets (growing, at
+        once) and to the next one down (shrinking). `news[1]`: a prefilled one-row state."""
         t1, b = time.perf_counter(), buckets[i]
-        for nb, rows in news.items():
-            if nb > 1:
+        for nb in prefill_rows:
+            if nb > 1:  # only the shapes matter: an empty state of nb rows stands in for the prefill
+                rows = news[nb] if nb in news else self.empty_state(nb)
                 insert_jit(self.empty_state(b), rows, jnp.full((nb,), b, jnp.int32))
         for greedy in (True, False):
             state, _ = self._round_program(self._one_row(b, news[1]), True, greedy)
             state = finish_jit(state, jnp.ones((b,), bool))
-        for small in buckets[:i]:  # growing: from any smaller bucket at once
+        for small in buckets[:i]:
             insert_jit(self.empty_state(b), self.empty_state(small), jnp.arange(small, dtype=jnp.int32))
-        if i > 0:  # shrinking: one bucket down at a time
+        if i > 0:
             state = take_jit(state, jnp.arange(buckets[i - 1], dtype=jnp.int32))
         jax.block_until_ready(state)
-        return time.perf_counter() - t1
+        log.info("compiled the programs of batch bucket %d in %.1fs", b, time.perf_counter() - t1)
 
     def _time_rounds(self, buckets: Sequence[int], new: SpecState) -> None:
-        """Seed the adaptive policy with measured round costs: at every bucket, greedy and
+        """Seed the adaptive policy with measured round costs: at each of `buckets`, greedy and
         sampled, speculative and plain (the first run of each is not counted: it pays one-time
         costs). One live row costs what a full batch does: the shapes are static."""
         for b in buckets:
@@ -262,4 +302,4 @@ class Runner:
                             self.policy.observe_round(b, speculate, greedy, time.perf_counter() - t1)
         log.info("measured round costs (ms, rows/speculative/greedy): %s", ", ".join(
             f"{r}/{'S' if s else 'P'}/{'G' if g else 'S'} {1e3 * c:.1f}"
-            for (r, s, g), c in sorted(self.policy.cost_table().items())))
+            for (r, s, g), c in sorted(self.policy.cost_table().items()) if r in buckets))

@@ -282,13 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     if min(a.batch, a.max_new_tokens, a.target_tokens, a.shard_tokens) < 1 or not 0 <= a.follow_up_share <= 1:
         ap.error("--batch, --max-new-tokens, --target-tokens and --shard-tokens must be >= 1; "
                  "--follow-up-share in [0, 1]")
-    import jax
-
     from peagle_jax.api import load
-    from peagle_jax.checkpoints.known_models import file_sha256, model_cache_dir
+    from peagle_jax.checkpoints.known_models import file_sha256
+    from peagle_jax.compile_cache import enable_compilation_cache
 
-    # A resumed run loads its compiled programs instead of compiling them again.
-    jax.config.update("jax_compilation_cache_dir", str(model_cache_dir() / "xla"))
+    enable_compilation_cache()  # a resumed run loads its compiled programs instead of compiling them again
     llm = load(a.model, method="none", dtype=a.dtype)
     answerer = _Answerer(llm, batch=a.batch, max_new_tokens=a.max_new_tokens)
     folder = Path(a.out) if a.out else Path("data/selfdistill") / llm.model_name

@@ -187,6 +187,7 @@ def test_long_prompts_prefill_in_chunks_between_rounds_and_nothing_compiles_afte
     run = _Run(models, max_batch_size=4, max_prefill_batch=2, prefill_chunk=32)
     calls: list[str] = []
     run.engine.start(warmup=True)
+    assert run.engine.wait_warm(timeout=600)  # the background part of the warm-up too
     compiled = _compiled(run.engine)
     programs = run.engine.runner.programs
     real_chunk, real_round = programs.chunk, run.engine.runner.round

@@ -1,0 +1,146 @@
+"""The default server's start-up, footprint and seeded sampling, as a new user meets them.
+
+Starts `python -m peagle_jax.serve` (its defaults, or the flags after `--`) twice on a fresh
+persistent compilation cache: a cold start, then a restart that loads the cache. For each: the
+seconds until `/health` first answers (ready), until its `compiling` list is empty (warm), and
+the server's resident memory then. On the cold server it also checks that a seeded sampled chat
+request gives the same text alone and beside 1, 3 and 7 greedy neighbours, with its drafts on
+and off (`num_speculative_tokens` 0).
+
+  .venv/bin/python -m benchmarks.serve_startup [--port 8123] [-- --max-batch-size 8 ...]
+
+Writes results/serve_startup/serve_startup.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks import common
+
+OUT = common.RESULTS / "serve_startup"
+NEIGHBOURS = (1, 3, 7)
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def start(port: int, cache: Path, extra: list[str], log: Path) -> tuple[subprocess.Popen, dict[str, float]]:
+    """Start the server; wait until it is ready and then warm. Returns it and its timings."""
+    cmd = [sys.executable, "-m", "peagle_jax.serve", "--port", str(port), "--compilation-cache-dir", str(cache),
+           *extra]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    url, got = f"http://127.0.0.1:{port}/health", {}
+    while "warm_s" not in got:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}; see {log}")
+        try:
+            health = httpx.get(url, timeout=2).json()
+        except httpx.HTTPError:
+            time.sleep(0.25)
+            continue
+        got.setdefault("ready_s", time.perf_counter() - t0)
+        got.setdefault("rss_ready_mb", rss_mb(proc.pid))
+        if not health.get("compiling"):
+            got["warm_s"] = time.perf_counter() - t0
+            got["rss_warm_mb"] = rss_mb(proc.pid)
+        else:
+            time.sleep(0.5)
+    return proc, got
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def seeded_sampling(port: int) -> list[dict[str, Any]]:
+    """The seeded request's text alone (three times) and beside greedy neighbours."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=900)
+    model = client.models.list().data[0].id
+    seeded = dict(model=model, messages=[{"role": "user", "content": "Write a short poem about the sea at night."}],
+                  max_tokens=64, temperature=0.8, top_p=0.95, seed=777)
+
+    def run(neighbours: int, limit: int | None) -> str:
+        extra = {} if limit is None else {"extra_body": {"num_speculative_tokens": limit}}
+        with concurrent.futures.ThreadPoolExecutor(neighbours + 1) as pool:
+            others = [pool.submit(client.chat.completions.create, model=model, max_tokens=64, temperature=0,
+                                  messages=[{"role": "user", "content": f"Explain topic number {i} in computing."}])
+                      for i in range(neighbours)]
+            mine = pool.submit(client.chat.completions.create, **seeded, **extra)
+            for f in others:
+                f.result()
+            return mine.result().choices[0].message.content
+
+    rows = []
+    for limit in (None, 0):
+        alone = [run(0, limit) for _ in range(3)]
+        beside = {n: run(n, limit) for n in NEIGHBOURS}
+        rows.append(dict(num_speculative_tokens=limit, alone_identical=len(set(alone)) == 1,
+                         beside_identical={n: beside[n] == alone[0] for n in NEIGHBOURS}, text=alone[0]))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--skip-sampling", action="store_true", help="time the starts only")
+    args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    OUT.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="peagle-startup-") as tmp:
+        cache = Path(tmp) / "xla"
+        for name in ("cold", "restart"):
+            proc, runs[name] = start(args.port, cache, extra, Path(tmp) / f"{name}.log")
+            try:
+                print(name, {k: round(v, 1) for k, v in runs[name].items()}, flush=True)
+                if name == "cold" and not args.skip_sampling:
+                    runs["seeded_sampling"] = seeded_sampling(args.port)
+                    runs["rss_after_requests_mb"] = rss_mb(proc.pid)
+            finally:
+                stop(proc)
+    report = dict(machine=common.machine_info(), command="python -m benchmarks.serve_startup " + " ".join(argv),
+                  server_flags=extra, **runs)
+    common.write_json(OUT / "serve_startup.json", report)
+    rows = [[name, common.fmt(runs[name]["ready_s"], 1), common.fmt(runs[name]["warm_s"], 1),
+             f"{runs[name]['rss_ready_mb']:.0f}", f"{runs[name]['rss_warm_mb']:.0f}"] for name in ("cold", "restart")]
+    md = [f"# Server start-up\n\n`{report['command']}`\n", common.machine_md(report["machine"]), "",
+          common.md_table(["start", "ready s", "warm s", "RSS ready MB", "RSS warm MB"], rows)]
+    if "seeded_sampling" in runs:
+        md += ["", f"RSS after the sampling requests: {runs['rss_after_requests_mb']:.0f} MB", "",
+               common.md_table(["num_speculative_tokens", "alone x3 identical"]
+                               + [f"beside {n} greedy identical" for n in NEIGHBOURS],
+                               [[r["num_speculative_tokens"], r["alone_identical"],
+                                 *(r["beside_identical"][n] for n in NEIGHBOURS)] for r in runs["seeded_sampling"]])]
+    (OUT / "serve_startup.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    ok = all(r["alone_identical"] and all(r["beside_identical"].values()) for r in runs.get("seeded_sampling", []))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
