@@ -28,7 +28,7 @@ from peagle_jax.serve.adaptive import AdaptivePolicy
 from peagle_jax.serve.metrics import Metrics
 from peagle_jax.serve.output import Delta, Failed, Finished, OutputProcessor, end_reason
 from peagle_jax.serve.requests import EngineStopped, GenRequest, QueueFull
-from peagle_jax.serve.runner import Runner, run_waves
+from peagle_jax.serve.runner import Runner, release_free_memory, run_waves
 from peagle_jax.serve.scheduler import Scheduler, batch_buckets, check_prefill_chunk, check_request, prefill_shapes
 
 log = logging.getLogger("peagle_jax.serve")
@@ -203,10 +203,14 @@ class Engine:
 
     def _run(self) -> None:
         s = self.scheduler
+        busy = False
         while True:
+            if busy and not s.has_work():  # going idle: hand back what the rounds freed
+                release_free_memory()
             with self._cv:
                 while not (self._abort or s.has_work()):
                     self._cv.wait()
+                busy = True
                 if self._abort:
                     break
                 for r in s.admit():  # cancelled while waiting

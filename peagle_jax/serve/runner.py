@@ -54,10 +54,11 @@ def run_waves(waves: Sequence[Wave], on_done: Callable[[str], None] = lambda nam
     with ThreadPoolExecutor(max_workers=_COMPILE_THREADS) as pool:
         for wave in waves:
             t0 = time.perf_counter()
-            for name, _ in zip((n for n, _ in wave), pool.map(lambda job: job[1](), wave), strict=True):
+            list(pool.map(lambda job: job[1](), wave))
+            release_free_memory()  # before the wave is reported done: a caller that sees it done sees the memory too
+            for name, _ in wave:
                 on_done(name)
             log.info("warm-up: %s in %.1fs", ", ".join(n for n, _ in wave), time.perf_counter() - t0)
-    release_free_memory()
 
 
 class Runner:
@@ -219,19 +220,22 @@ class Runner:
         the programs of the smallest batch bucket), and the rest, which may compile while it
         serves (a request that meets a program not yet compiled waits for that compile).
 
-        A plan is a list of waves run one after another; a wave's jobs compile side by side. Jobs
-        work on states of their own, never on `self.state`. With an adaptive policy, a last wave
-        measures the plan's buckets' rounds (`_time_rounds`), apart from the compiles.
+        A plan is a list of waves run one after another; a wave's jobs compile side by side (the
+        greedy and sampled rounds of a bucket too). Jobs work on states of their own, never on
+        `self.state`. With an adaptive policy, a last wave measures the plan's buckets' rounds
+        (`_time_rounds`), apart from the compiles.
         """
-        news: dict[int, SpecState] = {}  # rows -> a prefilled state (one live row in row 0)
-        prefill_rows = sorted({nb for nb, _ in shapes})
+        news: dict[int, SpecState] = {}  # {1: a prefilled one-row state}, which the timing rounds decode
+        prefill_sizes = sorted({nb for nb, _ in shapes})
 
         def prefill(shape: tuple[int, int]) -> None:
             nb, t = shape
-            news[nb] = jax.block_until_ready(self.prefill(
+            new = jax.block_until_ready(self.prefill(
                 self.context(nb), jnp.zeros((nb, t), jnp.int32), jnp.zeros((nb,), jnp.int32),
                 jnp.ones((nb,), jnp.int32), jnp.full((nb,), 64, jnp.int32), SamplingParams.full(nb, 1.0),
                 keys_from_seeds(jnp.zeros((nb,), jnp.uint32)), False))
+            if nb == 1:
+                news[1] = new
 
         def prompt_chunk() -> None:
             jax.block_until_ready(self.programs.chunk(
@@ -243,12 +247,17 @@ class Runner:
                 return []
             return [(f"timing the rounds at {list(bs)} rows", lambda: self._time_rounds(bs, news[1]))]
 
+        def bucket_jobs(i: int) -> list[Job]:
+            b = buckets[i]
+            rounds = [(f"{kind} round at {b} rows", functools.partial(self._compile_round, b, kind == "greedy"))
+                      for kind in ("greedy", "sampled")]
+            moves = functools.partial(self._compile_moves, buckets, prefill_sizes, i)
+            return rounds + [(f"row moves at {b} rows", moves)]
+
         def plan(shape_list, bucket_ids, extra=()) -> list[Wave]:
-            waves = [[(f"prefill {nb}x{t}", functools.partial(prefill, (nb, t))) for nb, t in shape_list] + list(extra),
-                     [(f"rounds at {buckets[i]} rows", functools.partial(self._compile_bucket, buckets, prefill_rows,
-                                                                           news, i)) for i in bucket_ids],
-                     timing([buckets[i] for i in bucket_ids])]
-            return [w for w in waves if w]
+            compiles = [(f"prefill {nb}x{t}", functools.partial(prefill, (nb, t))) for nb, t in shape_list]
+            compiles += list(extra) + [job for i in bucket_ids for job in bucket_jobs(i)]
+            return [w for w in (compiles, timing([buckets[i] for i in bucket_ids])) if w]
 
         first_shapes = [(nb, t) for nb, t in shapes if nb == 1 and t <= first_prompt_bucket] or [min(shapes)]
         rest_shapes = [s for s in shapes if s not in first_shapes]
@@ -266,25 +275,24 @@ class Runner:
         """A `b`-row batch with the first row of `new` in row 0."""
         return insert_jit(self.empty_state(b), new, jnp.zeros((1,), jnp.int32))
 
-    def _compile_bucket(self, buckets: Sequence[int], prefill_rows: Sequence[int], news: dict[int, SpecState],
-                        i: int) -> None:
-        """Bucket i's programs, on states of their own: the inserts of each prefill size, both
-        rounds (greedy and sampled), the finish, and the moves from smaller buckets (growing, at
-        once) and to the next one down (shrinking). `news[1]`: a prefilled one-row state."""
-        t1, b = time.perf_counter(), buckets[i]
-        for nb in prefill_rows:
-            if nb > 1:  # only the shapes matter: an empty state of nb rows stands in for the prefill
-                rows = news[nb] if nb in news else self.empty_state(nb)
-                insert_jit(self.empty_state(b), rows, jnp.full((nb,), b, jnp.int32))
-        for greedy in (True, False):
-            state, _ = self._round_program(self._one_row(b, news[1]), True, greedy)
-            state = finish_jit(state, jnp.ones((b,), bool))
+    def _compile_round(self, b: int, greedy: bool) -> None:
+        """The round program at `b` rows (greedy or sampled), run once on an empty batch."""
+        jax.block_until_ready(self._round_program(self.empty_state(b), True, greedy))
+
+    def _compile_moves(self, buckets: Sequence[int], prefill_sizes: Sequence[int], i: int) -> None:
+        """Bucket i's row moves: the inserts of each prefill size, the finish, the growth from any
+        smaller bucket (at once) and the shrink to the next one down. Only shapes matter here:
+        empty states stand in for prefilled rows."""
+        b = buckets[i]
+        for nb in prefill_sizes:
+            if nb > 1:
+                insert_jit(self.empty_state(b), self.empty_state(nb), jnp.full((nb,), b, jnp.int32))
+        state = finish_jit(self.empty_state(b), jnp.ones((b,), bool))
         for small in buckets[:i]:
             insert_jit(self.empty_state(b), self.empty_state(small), jnp.arange(small, dtype=jnp.int32))
         if i > 0:
             state = take_jit(state, jnp.arange(buckets[i - 1], dtype=jnp.int32))
         jax.block_until_ready(state)
-        log.info("compiled the programs of batch bucket %d in %.1fs", b, time.perf_counter() - t1)
 
     def _time_rounds(self, buckets: Sequence[int], new: SpecState) -> None:
         """Seed the adaptive policy with measured round costs: at each of `buckets`, greedy and

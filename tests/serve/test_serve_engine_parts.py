@@ -369,10 +369,11 @@ def test_warmup_plan_makes_the_smallest_batch_ready_first_and_names_the_rest(tin
     shapes = prefill_shapes(2, 64, 16, MAX_LEN - 1)
     first, rest = runner.warmup_plan((1, 2), shapes, 64, first_prompt_bucket=32)
     names = [[name for name, _ in wave] for wave in first]
-    assert names == [["prefill 1x16", "prefill 1x24", "prefill 1x32"], ["rounds at 1 rows"]]
+    assert names == [["prefill 1x16", "prefill 1x24", "prefill 1x32", "greedy round at 1 rows",
+                      "sampled round at 1 rows", "row moves at 1 rows"]]
     left = [name for wave in rest for name, _ in wave]
     assert left == ["prefill 1x48", "prefill 1x64", "prefill 2x16", "prefill 2x24", "prefill 2x32",
-                    "prompt chunk 64", "rounds at 2 rows"]
+                    "prompt chunk 64", "greedy round at 2 rows", "sampled round at 2 rows", "row moves at 2 rows"]
     done: list[str] = []
     run_waves(first + rest, done.append)
     assert done == [n for wave in names for n in wave] + left
