@@ -285,8 +285,7 @@ class Runner:
         empty states stand in for prefilled rows."""
         b = buckets[i]
         for nb in prefill_sizes:
-            if nb > 1:
-                insert_jit(self.empty_state(b), self.empty_state(nb), jnp.full((nb,), b, jnp.int32))
+            insert_jit(self.empty_state(b), self.empty_state(nb), jnp.full((nb,), b, jnp.int32))
         state = finish_jit(self.empty_state(b), jnp.ones((b,), bool))
         for small in buckets[:i]:
             insert_jit(self.empty_state(b), self.empty_state(small), jnp.arange(small, dtype=jnp.int32))
