@@ -374,6 +374,9 @@ def test_warmup_plan_makes_the_smallest_batch_ready_first_and_names_the_rest(tin
     left = [name for wave in rest for name, _ in wave]
     assert left == ["prefill 1x48", "prefill 1x64", "prefill 2x16", "prefill 2x24", "prefill 2x32",
                     "prompt chunk 64", "greedy round at 2 rows", "sampled round at 2 rows", "row moves at 2 rows"]
-    done: list[str] = []
-    run_waves(first + rest, done.append)
-    assert done == [n for wave in names for n in wave] + left
+    # run_waves: waves in order, each reported done once all its jobs have run
+    ran, done = [], []
+    waves = [[("a", lambda: ran.append("a")), ("b", lambda: ran.append("b"))], [("c", lambda: ran.append("c"))]]
+    run_waves(waves, lambda name: done.append((name, len(ran))))
+    assert sorted(ran[:2]) == ["a", "b"] and ran[2] == "c"
+    assert done == [("a", 2), ("b", 2), ("c", 3)]
