@@ -61,16 +61,19 @@ Q4_CLIPS = tuple(1.0 - 0.05 * k for k in range(11))  # pack_q4's candidate clips
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them ("flags" on x86, "Features" on Arm);
+    empty where it cannot be read."""
     try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith(("flags", "Features")))
     except (OSError, StopIteration):
         return frozenset()
-    return frozenset(flags.split())
+    return frozenset(line.split(":", 1)[1].split())
 
 
 def _cpu_has_avx2_fma() -> bool:
-    return {"avx2", "fma", "f16c"} <= _cpu_flags()
+    return {"avx2", "fma", "f16c"} <= cpu_flags()
 
 
 def instruction_set() -> str:
@@ -82,7 +85,7 @@ def instruction_set() -> str:
     process)."""
     if available():
         return ("avx2", "avx512f", "amx", "avx512bf16")[ctypes.cdll.LoadLibrary(str(LIBRARY)).peagle_gemv_loop_set()]
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if os.environ.get("PEAGLE_CPU_KERNEL_AVX2") is not None or "avx512f" not in flags:
         return "avx2"
     return "avx512f"

@@ -18,21 +18,13 @@ __all__ = ["OFF", "cache_folder", "enable_compilation_cache"]
 OFF = "off"  # the setting that turns the cache off
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return " ".join(sorted(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def cache_folder() -> Path:
     """The default folder for this machine kind."""
     from peagle_jax.checkpoints.known_models import model_cache_dir
+    from peagle_jax.kernels.cpu import cpu_flags
 
-    tag = hashlib.sha256(_cpu_flags().encode()).hexdigest()[:12]
+    flags = " ".join(sorted(cpu_flags())) or platform.processor()
+    tag = hashlib.sha256(flags.encode()).hexdigest()[:12]
     return model_cache_dir() / "xla" / f"{platform.machine()}-{tag}"
 
 

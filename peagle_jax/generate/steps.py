@@ -355,10 +355,10 @@ def spec_round(target: CausalLM, drafter: Proposer | None, state: SpecState, con
     # Per-sequence keys folded with the sequence's own position: a request's samples depend
     # only on its seed and its text, not on when it joined the batch, who else is in it, or
     # whether this round speculates (`_plain_step` draws as a verify that accepts no draft).
-    key = jax.vmap(jax.random.fold_in)(state.key, state.target_cache.lengths)
+    n = state.target_cache.lengths
+    key = jax.vmap(jax.random.fold_in)(state.key, n)
     k_draft, k_verify = sampling.split_keys(key, 2)
     k = config.num_draft_tokens
-    n = state.target_cache.lengths
 
     if not config.uses_drafter:
         out, m, nxt = _plain_step(target, state, k_verify, config.greedy)

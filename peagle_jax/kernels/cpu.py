@@ -20,6 +20,11 @@ def available() -> bool:
     return kernels_cpu.available()
 
 
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (`kernels_cpu.cpu_flags`; empty where they cannot be read)."""
+    return kernels_cpu.cpu_flags()
+
+
 def instruction_set() -> str:
     """The loops the CPU kernels run here: "amx", "avx512bf16", "avx512f" or "avx2"
     (`kernels_cpu.instruction_set`; all but "amx" give the same bits)."""

@@ -203,14 +203,12 @@ class Engine:
 
     def _run(self) -> None:
         s = self.scheduler
-        busy = False
         while True:
-            if busy and not s.has_work():  # going idle: hand back what the rounds freed
+            if not s.has_work():  # going idle: hand back what the rounds freed
                 release_free_memory()
             with self._cv:
                 while not (self._abort or s.has_work()):
                     self._cv.wait()
-                busy = True
                 if self._abort:
                     break
                 for r in s.admit():  # cancelled while waiting

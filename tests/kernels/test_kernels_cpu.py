@@ -87,7 +87,7 @@ print(kernels_cpu.instruction_set())
 
 
 @needs_kernel
-@pytest.mark.skipif("avx512f" not in kernels_cpu._cpu_flags(), reason="this CPU runs the AVX2 loops only")
+@pytest.mark.skipif("avx512f" not in kernels_cpu.cpu_flags(), reason="this CPU runs the AVX2 loops only")
 def test_non_amx_loop_sets_give_the_same_bits(tmp_path):
     """The AVX512-BF16 dot products (every row count), the AVX-512F FMAs (3+ rows) and the AVX2
     FMAs give bitwise the same sums (same order per element), so a model's tokens do not depend
