@@ -103,6 +103,7 @@ def test_models_health_metrics(server, client):
     assert ids == [MODEL]
     h = httpx.get(server + "/health").json()
     assert h["status"] == "ok" and h["method"] == "peagle" and h["slots"] == 4
+    assert h["compiling"] == []  # no warm-up here, so nothing compiles in the background
     text = httpx.get(server + "/metrics").text
     for name in ("peagle_queue_depth", "peagle_batch_occupancy", "peagle_time_to_first_token_seconds_bucket",
                  "peagle_time_per_output_token_seconds_bucket", "peagle_acceptance_length_bucket",
