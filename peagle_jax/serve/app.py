@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -83,8 +84,17 @@ def _build_context(config: ServeConfig, loaded: LoadedModel) -> ServerContext:
              config.max_batch_size, max_len)
     return ServerContext(engine=engine, config=config, metrics=engine.metrics,
                          tokenizer=copy.deepcopy(loaded.tokenizer),
-                         model_name=name, model_aliases=aliases, method=loaded.method, max_model_len=max_len,
+                         model_name=name, model_aliases=aliases, method=loaded.method, head=_head_name(loaded),
+                         max_model_len=max_len,
                          created=int(time.time()))
+
+
+def _head_name(loaded: LoadedModel) -> str | None:
+    """The draft head's folder name (no machine path), or its class for one built in memory;
+    None without a head (prompt lookup drafts from the context)."""
+    if loaded.drafter is None or loaded.method == "ngram":
+        return None
+    return Path(loaded.drafter_path).name if loaded.drafter_path else type(loaded.drafter).__name__
 
 
 @asynccontextmanager

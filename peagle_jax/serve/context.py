@@ -28,6 +28,7 @@ class ServerContext:
     model_name: str
     model_aliases: frozenset[str]  # names a request may use for the served model
     method: str
+    head: str | None  # the draft head's name, for /health and the playground page
     max_model_len: int
     created: int  # the model's "created" timestamp: when the app was built
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import time
 import uuid
+from importlib import resources
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
@@ -36,12 +37,21 @@ from peagle_jax.serve.streaming import stream_events
 __all__ = ["ROUTE_PATHS", "router"]
 
 router = APIRouter()
+_PLAYGROUND = (resources.files("peagle_jax.serve") / "playground.html").read_text(encoding="utf-8")
 Context = Annotated[ServerContext, Depends(get_context)]
 
 
 @router.api_route("/health", methods=["GET", "HEAD"])
 async def health(ctx: Context) -> Health:
-    return Health(model=ctx.model_name, method=ctx.method, compiling=ctx.engine.compiling(), **ctx.engine.stats())
+    e = ctx.engine
+    return Health(model=ctx.model_name, method=ctx.method, head=ctx.head, num_draft_tokens=e.num_draft_tokens,
+                  adaptive=e.adaptive, compiling=e.compiling(), **e.stats())
+
+
+@router.get("/", include_in_schema=False)
+async def playground() -> HTMLResponse:
+    """The playground page (serve/playground.html): a chat that streams with draft info."""
+    return HTMLResponse(_PLAYGROUND)
 
 
 @router.get("/metrics")

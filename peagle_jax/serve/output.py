@@ -17,13 +17,26 @@ from peagle_jax.serve.detokenize import IncrementalDetokenizer, StopStrings
 from peagle_jax.serve.metrics import Metrics
 from peagle_jax.serve.requests import GenRequest
 
-__all__ = ["Delta", "Failed", "Finished", "OutputProcessor", "end_reason"]
+__all__ = ["Delta", "Failed", "Finished", "OutputProcessor", "TokenPiece", "end_reason", "round_depths"]
+
+#: (text, depth) of one emitted token: the text its arrival released (held-back characters are
+#: released by a later token, so the pieces join to the delta's text) and its draft depth: d >= 1
+#: for the round's d-th draft, accepted by the target; 0 for the target's own token (each round
+#: ends with one; the prefill gives the first).
+TokenPiece = tuple[str, int]
 
 
 @dataclasses.dataclass
 class Delta:
     text: str
     num_tokens: int
+    pieces: list[TokenPiece] | None = None  # per token, for requests with `draft_info` only
+
+
+def round_depths(num_tokens: int, accepted: int) -> list[int]:
+    """The draft depth of each token a round emits: its `accepted` drafts (1, 2, ...), then the
+    target's own token (0); fewer when the sequence ended inside the round."""
+    return [j + 1 if j < accepted else 0 for j in range(num_tokens)]
 
 
 @dataclasses.dataclass
@@ -67,8 +80,10 @@ class OutputProcessor:
             r.first_token_time = now
             self.metrics.ttft.observe(now - r.arrival)
 
-    def emit(self, r: GenRequest, tokens: list[int]) -> bool:
-        """Feed new tokens through the detokenizer and stop strings; True once a stop string hit."""
+    def emit(self, r: GenRequest, tokens: list[int], depths: list[int] | None = None) -> bool:
+        """Feed new tokens through the detokenizer and stop strings; True once a stop string hit.
+        depths: each token's draft depth (`round_depths`; None: all 0), reported to requests
+        that asked for draft info."""
         if r.detok is None:
             r.detok = IncrementalDetokenizer(self.decode)
             r.stopper = StopStrings(r.stop)
@@ -83,7 +98,9 @@ class OutputProcessor:
         r.output_ids.extend(tokens[:used])
         self.metrics.generation_tokens.inc(used)
         text = "".join(out)
-        if text:
+        if r.draft_info:  # every token counts (tok/s, acceptance), even one that released no text yet
+            r.sink(Delta(text, used, list(zip(out, depths or [0] * used, strict=False))))
+        elif text:
             r.sink(Delta(text, used))
         return r.stopper.hit
 
@@ -98,7 +115,7 @@ class OutputProcessor:
         self.metrics.acceptance_length.observe(accepted + 1)
         for pos in range(accepted):
             self.metrics.accepted.labels(position=str(pos + 1)).inc()
-        return self.emit(r, tokens)
+        return self.emit(r, tokens, round_depths(len(tokens), accepted))
 
     def claim_end(self, r: GenRequest) -> bool:
         """True exactly once per request: whoever ends it (engine thread, a cancel, a drain)."""

@@ -52,6 +52,9 @@ class SamplingRequest(BaseModel):
     # Per-request speculation (an extension, e.g. `extra_body` in the openai client): the drafts
     # this request may accept per round, 0 (off) up to the server's -k; omitted: the server's.
     num_speculative_tokens: Annotated[StrictInt, Field(ge=0, le=INT32_MAX)] | None = None
+    # Streams only (an extension): each chunk's choice also carries `draft_info`, its tokens'
+    # texts and draft depths (responses.DraftToken), which the playground page highlights.
+    return_draft_info: StrictBool = False
     # Accepted for compatibility; only the neutral values are supported (see `unsupported`).
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None

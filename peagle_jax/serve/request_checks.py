@@ -20,6 +20,9 @@ def check_model_and_options(req: SamplingRequest, model_aliases: frozenset[str])
     bad = req.unsupported()
     if bad:
         raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
+    if req.return_draft_info and not req.stream:
+        raise APIError(400, "return_draft_info reports each token as it streams: it needs stream: true",
+                       param="return_draft_info", code="invalid_value")
 
 
 def prompt_budget(ctx: ServerContext, ids: list[int], max_tokens: int | None, param: str, max_param: str) -> int:

@@ -40,6 +40,7 @@ class GenRequest:
     seed: int | None = None
     stop: Sequence[str] = ()
     num_speculative_tokens: int | None = None  # drafts accepted per round, 0..K; None: the engine's K
+    draft_info: bool = False  # also report each token's text and draft depth (`output.Delta.pieces`)
     id: int = dataclasses.field(default_factory=lambda: next(_ids))
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     # engine-side state

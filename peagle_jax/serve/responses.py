@@ -14,7 +14,7 @@ from peagle_jax.serve.engine import Finished
 __all__ = [
     "ChatChoice", "ChatChunkChoice", "ChatChunks", "ChatCompletion", "ChatCompletionChunk", "ChatDelta",
     "ChatMessageOut", "ChunkFactory", "Completion", "CompletionChoice", "CompletionChunk", "CompletionChunks",
-    "Health", "ModelCard", "ModelList", "Speculation", "Usage",
+    "DraftToken", "Health", "ModelCard", "ModelList", "Speculation", "Usage",
 ]
 
 
@@ -53,6 +53,18 @@ class Usage(BaseModel):
                    total_tokens=prompt_tokens + completion, speculation=spec)
 
 
+class DraftToken(BaseModel):
+    """One generated token in a stream with `return_draft_info` (an extension field of the
+    chunk's choice; the official clients keep unknown fields)."""
+
+    text: str  # the text its arrival released: a choice's tokens' texts join to its content
+    depth: int  # d >= 1: the round's d-th draft, accepted by the target; 0: the target's own token
+
+
+def draft_tokens(pieces: Sequence[tuple[str, int]] | None) -> list[DraftToken] | None:
+    return None if pieces is None else [DraftToken(text=t, depth=d) for t, d in pieces]
+
+
 class _Envelope(BaseModel):
     """The fields every completion object and chunk starts with (OpenAI's order)."""
 
@@ -72,6 +84,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: None = None
     finish_reason: str | None
+    draft_info: list[DraftToken] | None = Field(None, exclude_if=_is_none)  # streams that asked for it
 
 
 class Completion(_Envelope):
@@ -120,6 +133,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: None = None
     finish_reason: str | None
+    draft_info: list[DraftToken] | None = Field(None, exclude_if=_is_none)  # streams that asked for it
 
 
 class ChatCompletionChunk(_Envelope):
@@ -139,7 +153,9 @@ class ChunkFactory(Protocol):
     def opening(self, index: int) -> BaseModel | None:
         """The chunk that starts choice `index` before any text, if the API sends one."""
 
-    def piece(self, index: int, text: str, finish_reason: str | None) -> BaseModel: ...
+    def piece(self, index: int, text: str, finish_reason: str | None,
+              pieces: Sequence[tuple[str, int]] | None = None) -> BaseModel:
+        """A stream chunk of choice `index`; `pieces`: its tokens' (text, depth), when asked for."""
 
     def usage(self, usage: Usage) -> BaseModel: ...
 
@@ -156,8 +172,9 @@ class CompletionChunks:
     def opening(self, index: int) -> None:
         return None  # text completions start straight with text
 
-    def piece(self, index: int, text: str, finish_reason: str | None) -> CompletionChunk:
-        choice = CompletionChoice(index=index, text=text, finish_reason=finish_reason)
+    def piece(self, index: int, text: str, finish_reason: str | None,
+              pieces: Sequence[tuple[str, int]] | None = None) -> CompletionChunk:
+        choice = CompletionChoice(index=index, text=text, finish_reason=finish_reason, draft_info=draft_tokens(pieces))
         return CompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
 
     def usage(self, usage: Usage) -> CompletionChunk:
@@ -175,16 +192,18 @@ class ChatChunks:
     created: int
     model: str
 
-    def _chunk(self, index: int, delta: ChatDelta, finish_reason: str | None) -> ChatCompletionChunk:
-        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)
+    def _chunk(self, index: int, delta: ChatDelta, finish_reason: str | None,
+               pieces: Sequence[tuple[str, int]] | None = None) -> ChatCompletionChunk:
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason, draft_info=draft_tokens(pieces))
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
 
     def opening(self, index: int) -> ChatCompletionChunk:
         # Clients build the message from deltas; the first one names the role.
         return self._chunk(index, ChatDelta(role="assistant", content=""), None)
 
-    def piece(self, index: int, text: str, finish_reason: str | None) -> ChatCompletionChunk:
-        return self._chunk(index, ChatDelta(content=text or None), finish_reason)
+    def piece(self, index: int, text: str, finish_reason: str | None,
+              pieces: Sequence[tuple[str, int]] | None = None) -> ChatCompletionChunk:
+        return self._chunk(index, ChatDelta(content=text or None), finish_reason, pieces)
 
     def usage(self, usage: Usage) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
@@ -219,4 +238,7 @@ class Health(BaseModel):
     status: Literal["ok"] = "ok"
     model: str
     method: str
+    head: str | None = None  # the draft head's name (its folder), if the method uses one
+    num_draft_tokens: int = 0  # K: drafts per round (0: no speculation); a request may ask for fewer
+    adaptive: bool = False  # rounds speculate only where it measured faster (serve.adaptive)
     compiling: list[str] = []  # warm-up jobs still compiling in the background (requests that need one wait)

@@ -21,6 +21,7 @@ class SamplingSettings:
     seed: int | None = None  # None: the engine draws one
     stop: tuple[str, ...] = ()
     num_speculative_tokens: int | None = None  # None: the server's K
+    draft_info: bool = False  # stream each token's draft depth (the return_draft_info extension)
 
     @classmethod
     def from_request(cls, req: SamplingRequest) -> SamplingSettings:
@@ -32,6 +33,7 @@ class SamplingSettings:
             seed=req.seed,
             stop=tuple(req.stop or ()),
             num_speculative_tokens=req.num_speculative_tokens,
+            draft_info=req.return_draft_info,
         )
 
     def for_choice(self, choice: int) -> SamplingSettings:
@@ -42,4 +44,4 @@ class SamplingSettings:
     def gen_request(self, prompt_ids: list[int], max_new_tokens: int, sink: Callable[[Any], None]) -> GenRequest:
         return GenRequest(prompt_ids, max_new_tokens, sink, temperature=self.temperature, top_k=self.top_k,
                           top_p=self.top_p, seed=self.seed, stop=list(self.stop),
-                          num_speculative_tokens=self.num_speculative_tokens)
+                          num_speculative_tokens=self.num_speculative_tokens, draft_info=self.draft_info)

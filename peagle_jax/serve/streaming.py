@@ -28,6 +28,8 @@ async def stream_events(generation: Generation, chunks: ChunkFactory, include_us
     task is cancelled), the engine slots are freed."""
     pending = len(generation.requests)
     done: list[Finished] = []
+    # A Finished event's text (released at the end) belongs to tokens already reported: no pieces.
+    end_pieces = [[] if r.draft_info else None for r in generation.requests]
     try:
         for index in range(len(generation.requests)):
             opening = chunks.opening(index)
@@ -36,11 +38,11 @@ async def stream_events(generation: Generation, chunks: ChunkFactory, include_us
         while pending:
             index, ev = await generation.events.get()
             if isinstance(ev, Delta):
-                yield sse(chunks.piece(index, ev.text, None))
+                yield sse(chunks.piece(index, ev.text, None, ev.pieces))
             elif isinstance(ev, Finished):
                 pending -= 1
                 done.append(ev)
-                yield sse(chunks.piece(index, ev.text, ev.reason))
+                yield sse(chunks.piece(index, ev.text, ev.reason, end_pieces[index]))
             elif isinstance(ev, Failed):
                 pending -= 1
                 yield sse(ErrorBody.of(ev.message, "server_error"))
