@@ -11,11 +11,23 @@ Needs Debian's Chromium (`apt install chromium`) and playwright (the test extra)
 from __future__ import annotations
 
 import argparse
+import json
+import time
+import urllib.request
 from pathlib import Path
 
 from peagle_jax.serve.testing import ask_playground, chromium
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
+
+
+def wait_warm(url: str, timeout_s: float) -> None:
+    """Wait until the server has nothing left to compile (its figures are then the warm ones)."""
+    deadline = time.monotonic() + timeout_s
+    while json.load(urllib.request.urlopen(url + "/health")).get("compiling"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} still compiling after {timeout_s} s")
+        time.sleep(2)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -26,9 +38,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--out", default="docs/images/playground.png")
     a = ap.parse_args(argv)
+    url = a.url.rstrip("/")
+    wait_warm(url, 1800)
     with chromium() as browser:
-        page = browser.new_page(viewport={"width": 1100, "height": 720})
-        page.goto(a.url.rstrip("/") + "/")
+        page = browser.new_page(viewport={"width": 1100, "height": 1040})
+        page.goto(url + "/")
         page.wait_for_function("document.getElementById('model').textContent !== '…'")
         if a.api_key:
             page.fill("#api-key", a.api_key)
