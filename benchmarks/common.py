@@ -97,6 +97,12 @@ SHAPES: dict[str, dict[str, Any]] = {
         qk_norm=True, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
         max_position_embeddings=40960,
     ),
+    # The default model's shape (SmolLM2-135M-Instruct), for compile and cost reports.
+    "smollm2-135m": dict(
+        architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+        tie_word_embeddings=True, max_position_embeddings=8192,
+    ),
     # CPU-sized stand-ins (tests, smoke runs).
     "tiny": dict(
         architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,

@@ -119,7 +119,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     rp.add_argument("--peagle-layers", type=int, default=4, help="P-EAGLE head depth (blog: 4)")
     rp.add_argument("--eagle3-layers", type=int, default=1, help="EAGLE-3 head depth (1, as released)")
     rp.add_argument("--draft-vocab-size", type=int, default=32000, help="heads' draft vocabulary (speculators: 32k)")
-    ap.add_argument("--moe", choices=("dense", "gathered"), default="dense",
+    ap.add_argument("--moe", choices=("dense", "gathered", "grouped"), default="dense",
                     help="MoE evaluation: gathered reads only routed experts at small steps (layers.MoE)")
     ap.add_argument("--attention", default=None, help="cache attention: xla | cpu | triton | mosaic | auto")
     ap.add_argument("--kv-cache-dtype", default=None, help="e.g. float8_e4m3fn")

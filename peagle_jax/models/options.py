@@ -34,7 +34,7 @@ def configure_inference(
     moe: str | None = None,
 ) -> nnx.Module:
     """Pick the cache-attention implementation ("xla" | "cpu" | "triton" | "mosaic" | "auto"), the KV
-    cache dtype and the MoE evaluation ("dense" | "gathered", see `layers.MoE`) of a target
+    cache dtype and the MoE evaluation ("dense" | "gathered" | "grouped", see `layers.MoE`) of a target
     model or drafter (in place). An option left None keeps its current setting."""
     if attention is not None and attention not in kernels.IMPLEMENTATIONS:
         raise ValueError(f"unknown attention implementation {attention!r}; known: {kernels.IMPLEMENTATIONS}")
