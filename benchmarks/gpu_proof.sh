@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU proof on one H200 (issue #16), in stages that each fit one device call:
 #
+#   bash benchmarks/gpu_proof.sh compile    # compile seconds + XLA cost of the seed shape's rounds, 12 and 48 layers
 #   bash benchmarks/gpu_proof.sh kernels    # Pallas kernel tests on the GPU + verify-attention HBM bandwidth
 #   bash benchmarks/gpu_proof.sh seed       # seed-shaped synthetic: Qwen3-30B-A3B MoE, published acceptance replayed
 #   bash benchmarks/gpu_proof.sh identity   # greedy identity, real SmolLM2 + shipped heads, 164 HumanEval + 10 MT-Bench
@@ -108,6 +109,18 @@ stage_kernels() {  # ~6 min: tests <= 300 s (55 of 59 ran in 150 s on 2026-12-04
   return $rc
 }
 
+stage_compile() {  # up to ~3 min: how compile time and bytes per round grow with depth on the GPU
+  local d=$WORK/compile; mkdir -p "$d"
+  local rc=0
+  for moe in gathered grouped; do  # the gathered copies against the grouped matmul (ragged_dot)
+    echo "== compile cost, ${SEED_SHAPE:-qwen3-30b-a3b}, MoE $moe"
+    timeout "${COMPILE_TIMEOUT_S:-90}" "$PY" -m benchmarks.compile_cost --shape "${SEED_SHAPE:-qwen3-30b-a3b}" \
+      --layers ${COMPILE_LAYERS:-12 48} --moe "$moe" --out "$d/$moe" 2>&1 | tee -a "$d/compile.log" || rc=1
+    cp "$d/$moe/compile_cost.md" "$OUT_DIR/compile_$moe.md" 2>/dev/null
+  done
+  return $rc
+}
+
 stage_seed() {  # ~2.5 min (+ ~2.5 min with SEED_FP8=1)
   local d=$WORK/seed; mkdir -p "$d"
   # Each method at its published best K (blog: P-EAGLE K=7, EAGLE-3 K=3): 3 compiles per batch size.
@@ -176,15 +189,17 @@ pack() {
 case "$STAGE" in stash|model) ;; *) env_report ;; esac
 rc=0
 case "$STAGE" in
+  compile) stage_compile || rc=$?; pack compile ;;
   kernels) stage_kernels || rc=$?; pack kernels ;;
   seed) stage_seed || rc=$?; pack seed ;;
   identity) stage_identity || rc=$?; pack identity ;;
   speed) stage_speed || rc=$?; pack speed ;;
   seed+identity) { stage_seed; s=$?; stage_identity; i=$?; [ $s -eq 0 ] && rc=$i || rc=$s; }; pack seed_identity ;;
-  all) { stage_kernels; k=$?; stage_seed; s=$?; stage_identity; i=$?; rc=$(( k | s | i )); }; pack all ;;
+  all) { stage_compile; c=$?; stage_kernels; k=$?; stage_seed; s=$?; stage_identity; i=$?; rc=$(( c | k | s | i )); }
+       pack all ;;
   stash) stash_pieces || rc=$? ;;
   model) assemble_model || rc=$? ;;
-  *) echo "unknown stage $STAGE (kernels | seed | identity | speed | seed+identity | all | stash | model)" >&2; exit 2 ;;
+  *) echo "unknown stage $STAGE (compile | kernels | seed | identity | speed | seed+identity | all | stash | model)" >&2; exit 2 ;;
 esac
 echo "== done (rc=$rc): $(ls "$OUT_DIR" | tr '\n' ' ')"
 exit $rc

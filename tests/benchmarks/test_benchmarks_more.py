@@ -216,3 +216,21 @@ def test_peer_hf_without_assistant_says_so(tiny_dir):
     assert 1 <= len(toks) <= NEW and dt > 0
     # cut after the first EOS, which is kept
     assert 2 not in toks[:-1]
+
+
+def test_compile_cost_reports_every_program_at_every_depth(tmp_path, capsys):
+    from benchmarks import compile_cost
+
+    summary = compile_cost.main(["--shape", "tiny-moe", "--layers", "1", "2", "--programs", "plain", "peagle",
+                                 "--peagle-layers", "1", "--context", "64", "--out", str(tmp_path)])
+    lines = capsys.readouterr().out.splitlines()
+    for layers in (1, 2):
+        for program in ("plain", "peagle"):
+            assert any(line.startswith(f"COMPILE_S layers={layers} program={program} seconds=") for line in lines)
+    rows = {(r["layers"], r["program"]): r for r in summary["rows"]}
+    # A deeper model computes more and compiles more instructions; a K=7 round computes more than a step.
+    for program in ("plain", "peagle"):
+        assert rows[2, program]["flops"] > rows[1, program]["flops"] > 0
+        assert rows[2, program]["fusions"] > rows[1, program]["fusions"] > 0
+    assert rows[1, "peagle"]["flops"] > rows[1, "plain"]["flops"]
+    assert (tmp_path / "compile_cost.md").read_text().count("| peagle |") == 2
