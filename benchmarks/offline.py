@@ -161,7 +161,7 @@ def _load(args):
             llm.tokenizer = load_tokenizer(args.tokenizer)
             llm.eos_ids = eos_token_ids(llm.tokenizer, Path(args.tokenizer))
         target_path = llm.model_path
-        target_label = f"{target_path} ({args.dtype})"
+        target_label = f"{Path(target_path).name} ({args.dtype})"  # the file, not where it lies here
     eos = [] if args.ignore_eos else llm.eos_ids
     return llm, target_path, target_label, llm.tokenizer, eos
 
