@@ -88,6 +88,21 @@ def test_the_stream_reports_each_token_and_its_draft_depth(server):
     assert text == "".join(c["delta"].get("content") or "" for c in choices)
 
 
+def test_text_completions_stream_draft_info_too(server):
+    body = dict(prompt=QUESTION, max_tokens=24, temperature=0, stream=True, return_draft_info=True)
+    chunks = []
+    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:])["choices"][0])
+    tokens = [t for c in chunks for t in c["draft_info"]]
+    assert 0 < len(tokens) <= 24 and all(0 <= t["depth"] <= K for t in tokens)
+    for c in chunks:
+        if c["finish_reason"] is None:
+            assert "".join(t["text"] for t in c["draft_info"]) == c["text"]
+
+
 def test_draft_info_needs_a_stream_and_health_names_the_drafting(server):
     r = httpx.post(server + "/v1/chat/completions", json=_chat(return_draft_info=True), timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "return_draft_info"
