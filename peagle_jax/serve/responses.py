@@ -10,6 +10,7 @@ from typing import Literal, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, Field
 
 from peagle_jax.serve.engine import Finished
+from peagle_jax.serve.output import TokenPiece
 
 __all__ = [
     "ChatChoice", "ChatChunkChoice", "ChatChunks", "ChatCompletion", "ChatCompletionChunk", "ChatDelta",
@@ -61,7 +62,7 @@ class DraftToken(BaseModel):
     depth: int  # d >= 1: the round's d-th draft, accepted by the target; 0: the target's own token
 
 
-def draft_tokens(pieces: Sequence[tuple[str, int]] | None) -> list[DraftToken] | None:
+def draft_tokens(pieces: Sequence[TokenPiece] | None) -> list[DraftToken] | None:
     return None if pieces is None else [DraftToken(text=t, depth=d) for t, d in pieces]
 
 
@@ -154,7 +155,7 @@ class ChunkFactory(Protocol):
         """The chunk that starts choice `index` before any text, if the API sends one."""
 
     def piece(self, index: int, text: str, finish_reason: str | None,
-              pieces: Sequence[tuple[str, int]] | None = None) -> BaseModel:
+              pieces: Sequence[TokenPiece] | None = None) -> BaseModel:
         """A stream chunk of choice `index`; `pieces`: its tokens' (text, depth), when asked for."""
 
     def usage(self, usage: Usage) -> BaseModel: ...
@@ -173,7 +174,7 @@ class CompletionChunks:
         return None  # text completions start straight with text
 
     def piece(self, index: int, text: str, finish_reason: str | None,
-              pieces: Sequence[tuple[str, int]] | None = None) -> CompletionChunk:
+              pieces: Sequence[TokenPiece] | None = None) -> CompletionChunk:
         choice = CompletionChoice(index=index, text=text, finish_reason=finish_reason, draft_info=draft_tokens(pieces))
         return CompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
 
@@ -193,7 +194,7 @@ class ChatChunks:
     model: str
 
     def _chunk(self, index: int, delta: ChatDelta, finish_reason: str | None,
-               pieces: Sequence[tuple[str, int]] | None = None) -> ChatCompletionChunk:
+               pieces: Sequence[TokenPiece] | None = None) -> ChatCompletionChunk:
         choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason, draft_info=draft_tokens(pieces))
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
 
@@ -202,7 +203,7 @@ class ChatChunks:
         return self._chunk(index, ChatDelta(role="assistant", content=""), None)
 
     def piece(self, index: int, text: str, finish_reason: str | None,
-              pieces: Sequence[tuple[str, int]] | None = None) -> ChatCompletionChunk:
+              pieces: Sequence[TokenPiece] | None = None) -> ChatCompletionChunk:
         return self._chunk(index, ChatDelta(content=text or None), finish_reason, pieces)
 
     def usage(self, usage: Usage) -> ChatCompletionChunk:

@@ -28,8 +28,6 @@ async def stream_events(generation: Generation, chunks: ChunkFactory, include_us
     task is cancelled), the engine slots are freed."""
     pending = len(generation.requests)
     done: list[Finished] = []
-    # A Finished event's text (released at the end) belongs to tokens already reported: no pieces.
-    end_pieces = [[] if r.draft_info else None for r in generation.requests]
     try:
         for index in range(len(generation.requests)):
             opening = chunks.opening(index)
@@ -42,7 +40,9 @@ async def stream_events(generation: Generation, chunks: ChunkFactory, include_us
             elif isinstance(ev, Finished):
                 pending -= 1
                 done.append(ev)
-                yield sse(chunks.piece(index, ev.text, ev.reason, end_pieces[index]))
+                # The text released at the end belongs to tokens already reported: no new pieces.
+                end_pieces = [] if generation.requests[index].draft_info else None
+                yield sse(chunks.piece(index, ev.text, ev.reason, end_pieces))
             elif isinstance(ev, Failed):
                 pending -= 1
                 yield sse(ErrorBody.of(ev.message, "server_error"))
