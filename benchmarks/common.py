@@ -153,6 +153,22 @@ def random_drafter(target, *, parallel: bool, seed: int = 1, mask_token_id: int 
 # --------------------------------------------------------------------------- machine and reports
 
 
+def peer_dir(name: str, env_var: str) -> Path:
+    """A benchmark peer's own folder (its venv and files): $env_var, or <repo>/../runs/peers/<name>,
+    where its `benchmarks/peers/<name>/setup.sh` builds it by default."""
+    env = os.environ.get(env_var)
+    return Path(env) if env else (Path(__file__).resolve().parents[2] / "runs" / "peers" / name).resolve()
+
+
+def rss_mb(pid: int | None = None) -> float:
+    """Resident memory of process `pid` (default: this one), in MiB."""
+    for line in Path(f"/proc/{pid or os.getpid()}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+
 def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = dict(
         platform=platform.platform(), machine=platform.machine(), processor=platform.processor(),

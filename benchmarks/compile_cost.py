@@ -118,8 +118,7 @@ def resident_mb() -> float:
     from peagle_jax.serve.runner import release_free_memory
 
     release_free_memory()
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * 4096 / 2**20
+    return common.rss_mb()
 
 
 def _cost(compiled) -> dict[str, float]:

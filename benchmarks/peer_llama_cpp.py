@@ -16,6 +16,8 @@ import os
 import subprocess
 from pathlib import Path
 
+from benchmarks import common
+
 REPO = Path(__file__).resolve().parent.parent
 RUNNER = REPO / "benchmarks" / "peers" / "llama_cpp" / "runner.py"
 SETUP = REPO / "benchmarks" / "peers" / "llama_cpp" / "setup.sh"
@@ -24,9 +26,7 @@ METHODS = ("llama_cpp_greedy", "llama_cpp_prompt_lookup")
 
 def peer_python() -> Path:
     """The peer venv's python: $LLAMA_CPP_PEER_DIR/venv, or <repo>/../runs/peers/llama_cpp/venv."""
-    env = os.environ.get("LLAMA_CPP_PEER_DIR")
-    root = Path(env) if env else (REPO.parent / "runs" / "peers" / "llama_cpp").resolve()
-    return root / "venv" / "bin" / "python"
+    return common.peer_dir("llama_cpp", "LLAMA_CPP_PEER_DIR") / "venv" / "bin" / "python"
 
 
 def missing_reason() -> str | None:

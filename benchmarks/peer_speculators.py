@@ -18,7 +18,6 @@ each shipped head it
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import tempfile
 from pathlib import Path
@@ -37,9 +36,7 @@ PROMPT = "Write a Python function that reverses a string."
 
 
 def peer_python() -> Path:
-    env = os.environ.get("SPECULATORS_PEER_DIR")
-    base = Path(env) if env else (REPO.parent / "runs" / "peers" / "speculators").resolve()
-    return base / "venv" / "bin" / "python"
+    return common.peer_dir("speculators", "SPECULATORS_PEER_DIR") / "venv" / "bin" / "python"
 
 
 def missing_reason() -> str | None:

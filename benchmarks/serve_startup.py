@@ -32,13 +32,6 @@ OUT = common.RESULTS / "serve_startup"
 NEIGHBOURS = (1, 3, 7)
 
 
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for process {pid}")
-
-
 def start(port: int, cache: Path, extra: list[str], log: Path) -> tuple[subprocess.Popen, dict[str, float]]:
     """Start the server; wait until it is ready and then warm. Returns it and its timings."""
     cmd = [sys.executable, "-m", "peagle_jax.serve", "--port", str(port), "--compilation-cache-dir", str(cache),
@@ -55,10 +48,10 @@ def start(port: int, cache: Path, extra: list[str], log: Path) -> tuple[subproce
             time.sleep(0.25)
             continue
         got.setdefault("ready_s", time.perf_counter() - t0)
-        got.setdefault("rss_ready_mb", rss_mb(proc.pid))
+        got.setdefault("rss_ready_mb", common.rss_mb(proc.pid))
         if not health.get("compiling"):
             got["warm_s"] = time.perf_counter() - t0
-            got["rss_warm_mb"] = rss_mb(proc.pid)
+            got["rss_warm_mb"] = common.rss_mb(proc.pid)
         else:
             time.sleep(0.5)
     return proc, got
@@ -119,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(name, {k: round(v, 1) for k, v in runs[name].items()}, flush=True)
                 if name == "cold" and not args.skip_sampling:
                     runs["seeded_sampling"] = seeded_sampling(args.port)
-                    runs["rss_after_requests_mb"] = rss_mb(proc.pid)
+                    runs["rss_after_requests_mb"] = common.rss_mb(proc.pid)
             finally:
                 stop(proc)
     report = dict(machine=common.machine_info(), command="python -m benchmarks.serve_startup " + " ".join(argv),
