@@ -18,16 +18,14 @@ VENV=$DIR/venv
 PY=$VENV/bin/python
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 say() { printf '[llama-cpp-peer %4ss] %s\n' "$(( $(date +%s) - T0 ))" "$*"; }
+# shellcheck source=../lib.sh
+source "$REPO/benchmarks/peers/lib.sh"
 
 if [ ! -x "$PY" ]; then
-  BASE=""
-  for c in ${PYTHON:-} python3.12 python3.13 python3; do
-    if [ -n "$c" ] && "$c" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 9) else 1)' 2>/dev/null; then BASE=$c; break; fi
-  done
-  [ -n "$BASE" ] || { echo "llama.cpp peer: needs Python >= 3.9 (set PYTHON=...)" >&2; exit 1; }
+  BASE=$(find_python 9) || { echo "llama.cpp peer: needs Python >= 3.9 (set PYTHON=...)" >&2; exit 1; }
   say "creating $VENV with $BASE"
   "$BASE" -m venv "$VENV"
-  "$PY" -m pip install -q --upgrade pip
+  pip_q install -q --upgrade pip
 fi
 if ! "$PY" -c 'import llama_cpp' 2>/dev/null; then
   flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)
@@ -35,7 +33,7 @@ if ! "$PY" -c 'import llama_cpp' 2>/dev/null; then
   CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=$(has avx) -DGGML_AVX2=$(has avx2) -DGGML_FMA=$(has fma) -DGGML_F16C=$(has f16c)"
   CMAKE_ARGS+=" -DGGML_AVX512=$(has avx512f) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
   say "building llama-cpp-python==$VERSION from source: CMAKE_ARGS=$CMAKE_ARGS"
-  CMAKE_ARGS="$CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$PY" -m pip install -q --no-cache-dir \
+  CMAKE_ARGS="$CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) pip_q install -q --no-cache-dir \
     --no-binary llama-cpp-python "llama-cpp-python==$VERSION"
 fi
 "$PY" -c 'import llama_cpp; print("llama-cpp-python", llama_cpp.__version__)'

@@ -19,17 +19,11 @@ VENV=$DIR/venv
 PY=$VENV/bin/python
 SPECULATORS=speculators==0.9.0
 say() { printf '[speculators-peer %4ss] %s\n' "$(( $(date +%s) - T0 ))" "$*"; }
-pip_q() { "$PY" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
-
-find_python() {
-  for c in ${PYTHON:-} python3.12 python3.13 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3 python3; do
-    [ -n "$c" ] && "$c" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' 2>/dev/null && { echo "$c"; return 0; }
-  done
-  return 1
-}
+# shellcheck source=../lib.sh
+source "$REPO/benchmarks/peers/lib.sh"
 
 if [ ! -x "$PY" ]; then
-  BASE=$(find_python) || { echo "speculators peer: needs Python >= 3.10 (set PYTHON=...)" >&2; exit 1; }
+  BASE=$(find_python 10) || { echo "speculators peer: needs Python >= 3.10 (set PYTHON=...)" >&2; exit 1; }
   say "creating $VENV with $BASE"
   "$BASE" -m venv "$VENV"
 fi

