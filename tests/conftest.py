@@ -155,6 +155,20 @@ def slow_except(values, fast, *, one_argument: bool = False) -> list:
 TINY_VOCAB = 64  # the vocabulary of `tiny_target`; its last id is `tiny_head`'s mask token
 
 
+def tiny_target_with_real_tokenizer(*, layers: int, seed: int):
+    """(target, tokenizer, eos ids): a random llama target (hidden 32) over the default model's
+    tokenizer and vocabulary (49152), so text round trips are real while compiles stay short."""
+    from peagle_jax.checkpoints.default_model import default_model_path
+    from peagle_jax.checkpoints.tokenizer import eos_token_ids, load_tokenizer
+    from peagle_jax.models import ModelConfig, create_model
+
+    tok = load_tokenizer(default_model_path())
+    cfg = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      max_position_embeddings=512)
+    return create_model(cfg, seed=seed), tok, eos_token_ids(tok)
+
+
 @pytest.fixture(scope="module")
 def tiny_target():
     """A 3-layer random llama target (vocabulary TINY_VOCAB) for step-level tests."""

@@ -73,12 +73,18 @@ def test_set_schedule_switches_without_new_oracle(target, reference):
     assert never.tokens == perfect.tokens
 
 
-def test_gathered_moe_matches_dense():
+def _dense_and(impl: str):
+    """(config, dense model, the same weights with MoE `impl`, their first layers' MoEs)."""
     cfg = common.shape_config("tiny-moe", layers=2)
     dense = create_model(cfg, seed=4)
-    gathered = configure_inference(create_model(cfg, seed=4), moe="gathered")
-    moe_d, moe_g = dense.layers[0].mlp, gathered.layers[0].mlp
-    assert moe_g.impl == "gathered"
+    other = configure_inference(create_model(cfg, seed=4), moe=impl)
+    moe_d, moe_o = dense.layers[0].mlp, other.layers[0].mlp
+    assert moe_o.impl == impl
+    return cfg, dense, other, moe_d, moe_o
+
+
+def test_gathered_moe_matches_dense():
+    cfg, dense, gathered, moe_d, moe_g = _dense_and("gathered")
     rng = np.random.default_rng(0)
     for t in (1, 3):  # 1 token takes the gathered path (3*1*2 <= 8 experts), 3 fall back to dense
         x = jnp.asarray(rng.normal(size=(1, t, cfg.hidden_size)), jnp.float32)
@@ -98,11 +104,7 @@ def test_gathered_moe_matches_dense():
 def test_grouped_moe_matches_dense():
     # The grouped matmul (jax.lax.ragged_dot over the pairs sorted by expert) against the dense
     # reference, for a decode row, a verify's rows and a batch whose rows share experts.
-    cfg = common.shape_config("tiny-moe", layers=2)
-    dense = create_model(cfg, seed=4)
-    grouped = configure_inference(create_model(cfg, seed=4), moe="grouped")
-    moe_d, moe_g = dense.layers[0].mlp, grouped.layers[0].mlp
-    assert moe_g.impl == "grouped"
+    cfg, dense, grouped, moe_d, moe_g = _dense_and("grouped")
     rng = np.random.default_rng(1)
     for shape in ((1, 1), (1, 4), (3, 5)):
         x = jnp.asarray(rng.normal(size=(*shape, cfg.hidden_size)), jnp.float32)

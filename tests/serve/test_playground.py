@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import tiny_target_with_real_tokenizer
 
 from peagle_jax.serve import ServeConfig, create_app
 from peagle_jax.serve.testing import CHROMIUM, ask_playground, chromium, serve_in_thread
@@ -28,19 +29,12 @@ MAX_TOKENS = 80
 
 @pytest.fixture(scope="module")
 def server():
-    from peagle_jax.checkpoints.default_model import default_model_path
-    from peagle_jax.checkpoints.tokenizer import eos_token_ids, load_tokenizer
     from peagle_jax.drafters.ngram import NgramProposer
-    from peagle_jax.models import ModelConfig, create_model
 
-    tok = load_tokenizer(default_model_path())
-    cfg = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      max_position_embeddings=512)
+    target, tok, eos = tiny_target_with_real_tokenizer(layers=2, seed=2)
     config = ServeConfig(max_batch_size=2, max_model_len=256, num_draft_tokens=K, prefill_chunk=64,
                          served_model_name=MODEL, warmup=False)
-    app = create_app(config, target=create_model(cfg, seed=2), drafter=NgramProposer(), tokenizer=tok,
-                     eos_ids=eos_token_ids(tok), method="ngram")
+    app = create_app(config, target=target, drafter=NgramProposer(), tokenizer=tok, eos_ids=eos, method="ngram")
     with serve_in_thread(app) as url:
         yield url
 
@@ -49,10 +43,10 @@ def _chat(**extra) -> dict:
     return dict(messages=[{"role": "user", "content": QUESTION}], max_tokens=MAX_TOKENS, temperature=0, **extra)
 
 
-def _stream(url: str, body: dict) -> list[dict]:
+def _stream(url: str, body: dict, endpoint: str = "/v1/chat/completions") -> list[dict]:
     """The stream's chunks (JSON), up to [DONE]."""
     chunks = []
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as r:
+    with httpx.stream("POST", url + endpoint, json=body, timeout=300) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -90,12 +84,7 @@ def test_the_stream_reports_each_token_and_its_draft_depth(server):
 
 def test_text_completions_stream_draft_info_too(server):
     body = dict(prompt=QUESTION, max_tokens=24, temperature=0, stream=True, return_draft_info=True)
-    chunks = []
-    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=300) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunks.append(json.loads(line[6:])["choices"][0])
+    chunks = [c["choices"][0] for c in _stream(server, body, "/v1/completions")]
     tokens = [t for c in chunks for t in c["draft_info"]]
     assert 0 < len(tokens) <= 24 and all(0 <= t["depth"] <= K for t in tokens)
     for c in chunks:

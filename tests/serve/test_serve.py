@@ -20,7 +20,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import slow_except
+from conftest import slow_except, tiny_target_with_real_tokenizer
 
 from peagle_jax.api import chat_ids
 from peagle_jax.generate import speculative_generate
@@ -34,18 +34,11 @@ MODEL = "tiny-peagle"
 
 
 def _tiny_models():
-    from peagle_jax.checkpoints.default_model import default_model_path
-    from peagle_jax.checkpoints.tokenizer import eos_token_ids, load_tokenizer
     from peagle_jax.drafters import DrafterConfig, create_drafter
-    from peagle_jax.models import ModelConfig, create_model
 
-    tok = load_tokenizer(default_model_path())
-    cfg = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      max_position_embeddings=512)
-    target = create_model(cfg, seed=1)
-    dcfg = DrafterConfig.for_target(cfg, num_layers=1, parallel_drafting=True, mask_token_id=49151)
-    return target, create_drafter(dcfg, seed=2), tok, eos_token_ids(tok)
+    target, tok, eos = tiny_target_with_real_tokenizer(layers=4, seed=1)
+    dcfg = DrafterConfig.for_target(target.config, num_layers=1, parallel_drafting=True, mask_token_id=49151)
+    return target, create_drafter(dcfg, seed=2), tok, eos
 
 
 @pytest.fixture(scope="module")

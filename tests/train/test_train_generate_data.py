@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import tiny_target_with_real_tokenizer
 
 from peagle_jax.train.generate_data import generate_answers, magpie_prompts, user_turn_prefix
 from peagle_jax.train.prompts import DOMAINS, Prompt, build_prompts
@@ -15,15 +16,9 @@ from peagle_jax.train.shards import Record, read_records, shard_paths, write_man
 @pytest.fixture(scope="module")
 def llm():
     from peagle_jax.api import LoadedModel
-    from peagle_jax.checkpoints.default_model import default_model_path
-    from peagle_jax.checkpoints.tokenizer import eos_token_ids, load_tokenizer
-    from peagle_jax.models import ModelConfig, create_model
 
-    tok = load_tokenizer(default_model_path())
-    cfg = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      max_position_embeddings=512)
-    return LoadedModel.from_target(create_model(cfg, seed=3), tok, eos_ids=eos_token_ids(tok), name="tiny")
+    target, tok, eos = tiny_target_with_real_tokenizer(layers=2, seed=3)
+    return LoadedModel.from_target(target, tok, eos_ids=eos, name="tiny")
 
 
 @pytest.mark.slow
