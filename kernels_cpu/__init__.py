@@ -36,11 +36,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, BFloat16, Float, Int, UInt8
+from jaxtyping import Array, BFloat16, Float, Int, Int8, UInt8
 
 TILE = 32  # output columns per packed tile (4 x 8 float32 lanes)
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv_bf16.cc", "gemv_quant.cc", "attention_bf16.cc",
-                                                       "argmax_f32.cc"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv_bf16.cc", "gemv_quant.cc", "gemv_group.cc",
+                                                       "attention_bf16.cc", "argmax_f32.cc"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("spans.h", "bf16.h", "amx.h", "vmath.h",  # a change rebuilds too
                                                        "cpu_features.h"))
 # One library per jaxlib: the FFI's API version is compiled in, and a library built against
@@ -53,6 +53,12 @@ Q7_TARGET = "peagle_gemv_q7"  # weight-only 7-bit weights in bytes (`pack_q7`), 
 Q7_BF16_OUT = "peagle_gemv_q7_to_bf16"
 Q4_TARGET = "peagle_gemv_q4"  # weight-only 4-bit weights in nibbles (`pack_q4`), float32 sums
 Q4_BF16_OUT = "peagle_gemv_q4_to_bf16"
+G4_TARGET = "peagle_gemv_g4"  # a target's 4-bit GGUF groups (`pack_g4`), float32 sums
+G4_BF16_OUT = "peagle_gemv_g4_to_bf16"
+G8_TARGET = "peagle_gemv_g8"  # a target's 8-bit GGUF groups (`pack_g8`), float32 sums
+G8_BF16_OUT = "peagle_gemv_g8_to_bf16"
+G4_GROUP, G4_RECORD = 32, 768  # inputs per group; bytes per (tile, group): 32 scales, 32 mins, 32 x 16 nibble bytes
+G8_GROUP, G8_RECORD = 16, 640  # inputs per group; bytes per (tile, group): 32 scales, 16 x 32 int8
 GLU_TARGET = "peagle_gemv_glu_bf16_to_bf16"  # SiLU(gate) * up of [M, 2I] rows, then the matmul
 ARGMAX_TARGET = "peagle_argmax_f32"
 Q7_SCALE_ROWS = 2  # a packed 7-bit tile starts with its 32 float32 column scales: 2 rows of 64 bytes
@@ -128,7 +134,9 @@ def unavailable_reason() -> str | None:
                          (ATTENTION_TARGET, lib.peagle_cache_attention_bf16), (Q7_TARGET, lib.peagle_gemv_q7),
                          (Q7_BF16_OUT, lib.peagle_gemv_q7_to_bf16), (Q4_TARGET, lib.peagle_gemv_q4),
                          (Q4_BF16_OUT, lib.peagle_gemv_q4_to_bf16), (ARGMAX_TARGET, lib.peagle_argmax_f32),
-                         (GLU_TARGET, lib.peagle_gemv_glu_bf16_to_bf16)):
+                         (GLU_TARGET, lib.peagle_gemv_glu_bf16_to_bf16), (G4_TARGET, lib.peagle_gemv_g4),
+                         (G4_BF16_OUT, lib.peagle_gemv_g4_to_bf16), (G8_TARGET, lib.peagle_gemv_g8),
+                         (G8_BF16_OUT, lib.peagle_gemv_g8_to_bf16)):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="cpu")
     except jax.errors.JaxRuntimeError as e:
         return f"jaxlib {jax.lib.__version__} refused {LIBRARY.name}: {e}"
@@ -227,6 +235,62 @@ def unpack_q4(packed: UInt8[Array, "T S 32"], in_features: int) -> Float[Array, 
     return w[:in_features]
 
 
+def pack_g4(q: UInt8[np.ndarray, "I O"], scale: Float[np.ndarray, "G O"],
+            minimum: Float[np.ndarray, "G O"]) -> UInt8[np.ndarray, "T G 768"]:
+    """A target weight w = scale * q - min in groups of 32 inputs (q in [0, 15]: a GGUF file's
+    Q4_0 / Q4_1 / Q4_K blocks, `peagle_jax.checkpoints.gguf_blocks`) -> [O/32, I/32, 768] uint8:
+    per 32-column tile, per group, the 32 float32 scales, the 32 mins, then per input 16 bytes,
+    byte b holding column b's q in its low nibble and column b + 16's in its high one
+    (gemv_group.cc). Numpy, at load time."""
+    i, o = q.shape
+    if o % TILE or i % G4_GROUP or scale.shape != (i // G4_GROUP, o) or minimum.shape != scale.shape:
+        raise ValueError(f"kernels_cpu.pack_g4: q {q.shape}, scale {scale.shape}, min {minimum.shape} do not make "
+                         f"[I, O] weights with I a multiple of {G4_GROUP} and O of {TILE}")
+    t, g = o // TILE, i // G4_GROUP
+    qt = np.asarray(q, np.uint8).reshape(g, G4_GROUP, t, TILE).transpose(2, 0, 1, 3)  # [T, G, k, c]
+    nibbles = (qt[..., :TILE // 2] | (qt[..., TILE // 2:] << 4)).reshape(t, g, G4_GROUP * TILE // 2)
+    return np.concatenate([_tile_floats(scale, t), _tile_floats(minimum, t), nibbles], axis=-1)
+
+
+def pack_g8(q: Int8[np.ndarray, "I O"], scale: Float[np.ndarray, "G O"]) -> UInt8[np.ndarray, "T G 640"]:
+    """A target weight w = scale * q in groups of 16 inputs (q int8: a GGUF file's Q8_0 / Q6_K /
+    Q5_0 blocks) -> [O/32, I/16, 640] uint8: per tile and group, the 32 float32 scales, then per
+    input the 32 columns' q (gemv_group.cc). Numpy, at load time."""
+    i, o = q.shape
+    if o % TILE or i % G8_GROUP or scale.shape != (i // G8_GROUP, o):
+        raise ValueError(f"kernels_cpu.pack_g8: q {q.shape}, scale {scale.shape} do not make [I, O] weights "
+                         f"with I a multiple of {G8_GROUP} and O of {TILE}")
+    t, g = o // TILE, i // G8_GROUP
+    qt = np.asarray(q, np.int8).view(np.uint8).reshape(g, G8_GROUP, t, TILE).transpose(2, 0, 1, 3)
+    return np.concatenate([_tile_floats(scale, t), qt.reshape(t, g, G8_GROUP * TILE)], axis=-1)
+
+
+def _tile_floats(v: Float[np.ndarray, "G O"], tiles: int) -> UInt8[np.ndarray, "T G 128"]:
+    """Per-group, per-column float32s as each tile's 32 of them per group, in bytes."""
+    g = v.shape[0]
+    return np.ascontiguousarray(np.asarray(v, "<f4").reshape(g, tiles, TILE).transpose(1, 0, 2)).view(np.uint8)
+
+
+def unpack_group(packed: UInt8[Array, "T G R"]) -> Float[Array, "I O"]:
+    """The float32 weights [I, O] that `pack_g4` or `pack_g8` packed (jnp, so it also runs in a
+    graph)."""
+    t, g, record = packed.shape
+    floats = jax.lax.bitcast_convert_type(packed[..., :record - _GROUP_BYTES[record]].reshape(t, g, -1, TILE, 4),
+                                          jnp.float32)  # [T, G, 1 or 2, 32]
+    body = packed[..., record - _GROUP_BYTES[record]:]
+    if record == G4_RECORD:
+        b = body.reshape(t, g, G4_GROUP, TILE // 2)
+        q = jnp.concatenate([b & 0xF, b >> 4], axis=-1).astype(jnp.float32)  # [T, G, k, 32]
+        w = q * floats[:, :, None, 0] - floats[:, :, None, 1]
+    else:
+        q = jax.lax.bitcast_convert_type(body, jnp.int8).reshape(t, g, G8_GROUP, TILE).astype(jnp.float32)
+        w = q * floats[:, :, None, 0]
+    return w.transpose(1, 2, 0, 3).reshape(-1, t * TILE)
+
+
+_GROUP_BYTES = {G4_RECORD: G4_GROUP * TILE // 2, G8_RECORD: G8_GROUP * TILE}  # a record's weight bytes
+
+
 def matmul(x: BFloat16[Array, "*lead I"], packed: BFloat16[Array, "T J 64"] | UInt8[Array, "T S _"],
            out_dtype=jnp.float32, *, glu: bool = False) -> Float[Array, "*lead O"]:
     """x @ w summed in float32, w given as `pack(w)`, `pack_q7(w)` or `pack_q4(w)` (bytes 64 or 32
@@ -251,6 +315,11 @@ def matmul(x: BFloat16[Array, "*lead I"], packed: BFloat16[Array, "T J 64"] | UI
                              f"input width (gate | up) only; got {packed.dtype} weights, {jnp.dtype(out_dtype)}, "
                              f"width {i}")
         target = GLU_TARGET
+    elif packed.dtype == jnp.uint8 and packed.shape[-1] in (G4_RECORD, G8_RECORD):
+        g4 = packed.shape[-1] == G4_RECORD
+        if i != packed.shape[1] * (G4_GROUP if g4 else G8_GROUP):
+            raise ValueError(f"kernels_cpu.matmul: {i} inputs do not match group-packed weights {packed.shape}")
+        target = (G4_BF16_OUT if bf16_out else G4_TARGET) if g4 else (G8_BF16_OUT if bf16_out else G8_TARGET)
     elif packed.dtype == jnp.uint8 and packed.shape[-1] == TILE:
         target = Q4_BF16_OUT if bf16_out else Q4_TARGET
     elif packed.dtype == jnp.uint8:

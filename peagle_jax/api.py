@@ -242,7 +242,8 @@ def _load_target(opts: Options, head_spec: str | None) -> LoadedModel:
         quantize_weights_fp8(target)
     attention = opts.attention
     configure_inference(target, attention=attention, kv_cache_dtype=opts.kv_cache_dtype)
-    matmul_path = "xla" if device_mesh is not None else choose_matmul(target, opts.matmul)
+    file_weights = _file_weights(opts, model_path, target) if device_mesh is None else None
+    matmul_path = "xla" if device_mesh is not None else choose_matmul(target, opts.matmul, file_weights=file_weights)
     if attention is None and matmul_path == "cpu_kernel":
         # Where the matmuls run on the CPU kernel, attention does too: the C++ kernel is
         # row-invariant like them and costs a fraction of XLA's blockwise loop.
@@ -254,9 +255,30 @@ def _load_target(opts: Options, head_spec: str | None) -> LoadedModel:
     llm = LoadedModel(target=target, tokenizer=tokenizer, eos_ids=eos_token_ids(tokenizer, model_path),
                       drafter=None, method="none", model_path=model_path, model_name=name, drafter_path=head_spec,
                       options=dict(dtype=opts.dtype, attention=attention, kv_cache_dtype=opts.kv_cache_dtype,
-                                   matmul=matmul_path, draft_weights=opts.draft_weights),
+                                   matmul=matmul_path, draft_weights=opts.draft_weights,
+                                   target_weights="file" if file_weights and matmul_path == "cpu_kernel" else "bf16"),
                       draft_weights_request=opts.draft_weights, settings=opts)
     return llm.place_on(device_mesh)
+
+
+def _file_weights(opts: Options, model_path, target) -> dict | None:
+    """A quantized GGUF target's Linears in the file's own blocks for the CPU kernel
+    (`Options.target_weights`), or None where they stay bf16. Raises ValueError naming why
+    target_weights 'file' cannot be served."""
+    from peagle_jax.models.options import cpu_kernel_blocker
+
+    if opts.target_weights == "bf16" or opts.matmul == "xla":
+        return None
+    why = "the model is not a GGUF file" if model_path.suffix != ".gguf" else cpu_kernel_blocker(target)
+    found = None
+    if why is None:
+        from peagle_jax.checkpoints.gguf_loader import load_gguf_group_weights
+
+        found = load_gguf_group_weights(model_path) or None
+        why = None if found else "the file holds no Q4_0 / Q4_1 / Q4_K / Q5_0 / Q6_K / Q8_0 Linear weights"
+    if why is not None and opts.target_weights == "file":
+        raise ValueError(f"target_weights 'file' cannot serve {model_path.name}: {why}")
+    return found
 
 
 def _attach_head(llm: LoadedModel, opts: Options, head_spec: str) -> None:

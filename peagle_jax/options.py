@@ -67,6 +67,10 @@ class Options(BaseModel):
     draft_weights: Literal["auto", "native", "q7", "q4"] = Field(
         "auto", description="the head's matmul weights on the CPU kernel: q7 7-bit, q4 4-bit Linears and a "
         "7-bit lm_head (drafts are verified: output unchanged); auto: q4 where faster (AVX512-BF16)")
+    target_weights: Literal["auto", "file", "bf16"] = Field(
+        "auto", description="the target's matmul weights on the CPU kernel: file: a GGUF file's own 4- and 8-bit "
+        "blocks (Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0; other types in bf16), its numbers exactly; bf16: "
+        "dequantized to bf16; auto: file for a quantized GGUF where the kernel runs")
     prompt_lookup_min: int = Field(2, ge=1, description="smallest n-gram the ngram methods match")
     prompt_lookup_max: int = Field(4, ge=1, description="largest n-gram the ngram methods match")
     head_draft_tokens: int | None = Field(None, ge=1, description="X+ngram methods: drafts the head proposes "
@@ -155,6 +159,11 @@ class Options(BaseModel):
                 raise ValueError(f"draft_weights {self.draft_weights!r} runs on the CPU matmul kernel: it needs "
                                  f"dtype bfloat16, one device (no mesh) and matmul 'auto' or 'cpu_kernel'; got "
                                  f"dtype {self.dtype!r}, matmul {self.matmul!r}, mesh {self.mesh!r}")
+        on_kernel = self.dtype == "bfloat16" and self.matmul != "xla" and self.mesh is None
+        if self.target_weights == "file" and not on_kernel:
+            raise ValueError(f"target_weights 'file' runs on the CPU matmul kernel: it needs dtype bfloat16, one "
+                             f"device (no mesh) and matmul 'auto' or 'cpu_kernel'; got dtype {self.dtype!r}, "
+                             f"matmul {self.matmul!r}, mesh {self.mesh!r}")
         if self.matmul == "cpu_kernel" and self.mesh is not None:
             raise ValueError("matmul 'cpu_kernel' serves one unsharded CPU device; drop mesh or use matmul 'auto'")
         return self

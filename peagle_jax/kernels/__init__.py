@@ -23,7 +23,7 @@ from peagle_jax.kernels.attention import (
     resolve_implementation,
 )
 from peagle_jax.kernels.fp8 import compute_scale, dequantize, quantize_kv, quantize_with_scale
-from peagle_jax.kernels.matmul import TILE, matmul, pack, pack_q4, pack_q7
+from peagle_jax.kernels.matmul import TILE, matmul, pack, pack_g4, pack_g8, pack_q4, pack_q7, unpack_group
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -37,9 +37,12 @@ __all__ = [
     "dequantize",
     "matmul",
     "pack",
+    "pack_g4",
+    "pack_g8",
     "pack_q4",
     "pack_q7",
     "quantize_kv",
     "quantize_with_scale",
     "resolve_implementation",
+    "unpack_group",
 ]

@@ -3,7 +3,8 @@
 A row's result has the same bits whatever the number of rows in the call, which is what keeps
 speculative decoding token-identical to plain decoding on CPU (docs/cpu-kernels.md). Weights are
 packed once at load (`pack`: bf16, `pack_q7` / `pack_q4`: 7- or 4-bit per-column weights for a
-draft head), each output tile of `TILE` columns contiguous.
+draft head; `pack_g4` / `pack_g8`: a quantized GGUF target's own blocks), each output tile of
+`TILE` columns contiguous.
 """
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ import jax.numpy as jnp
 from jaxtyping import Array, BFloat16, Float, UInt8
 
 import kernels_cpu
-from kernels_cpu import TILE, pack, pack_q4, pack_q7, unpack_q4, unpack_q7
+from kernels_cpu import TILE, pack, pack_g4, pack_g8, pack_q4, pack_q7, unpack_group, unpack_q4, unpack_q7
 
-__all__ = ["TILE", "matmul", "pack", "pack_q4", "pack_q7", "unpack_q4", "unpack_q7"]
+__all__ = ["TILE", "matmul", "pack", "pack_g4", "pack_g8", "pack_q4", "pack_q7", "unpack_group", "unpack_q4",
+           "unpack_q7"]
 
 
 def matmul(x: Float[Array, "*lead I"], packed: BFloat16[Array, "T J 64"] | UInt8[Array, "T S _"],
            out_dtype=None, glu: bool = False) -> Float[Array, "*lead O"]:
-    """x @ w for `packed` = `pack(w)`, `pack_q7(w)` or `pack_q4(w)`, summed in float32.
+    """x @ w for `packed` = `pack(w)`, `pack_q7(w)`, `pack_q4(w)`, `pack_g4` or `pack_g8`, summed
+    in float32.
 
     `out_dtype`: None keeps the float32 sums; bfloat16 has the kernel round them (the bits of
     converting the float32 sums, without a convert in the graph); any other dtype is converted

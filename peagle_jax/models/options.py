@@ -11,11 +11,14 @@ recompiles once and never at run time:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from peagle_jax import kernels
+from peagle_jax.checkpoints.gguf_blocks import GroupWeights
 from peagle_jax.models.layers import MLP, Attention, Linear, MoE, PackedKernel
 
 KV_CACHE_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
@@ -97,7 +100,8 @@ PACKED_WEIGHTS = ("bf16", "q7", "q4")
 QUANTIZED_DRAFT_WEIGHTS = ("q7", "q4")  # the draft_weights choices that quantize a head (CPU kernel only)
 
 
-def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16") -> nnx.Module:
+def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16",
+                     file_weights: Mapping[str, GroupWeights] | None = None) -> nnx.Module:
     """Route the decode-sized matmuls of a bf16 model or drafter (every Linear and the lm_head)
     through `kernels.matmul`, the row-invariant CPU custom call, by giving each a packed
     copy of its weight (in place; the bf16 weights stay for longer calls such as prefill).
@@ -109,7 +113,13 @@ def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16") -> nnx.Module:
     4 bits, `kernels.pack_q4`, a quarter of the bytes; the lm_head stays in 7 bits: its
     logits pick the drafts, and 4 bits there cost acceptance, docs/notes/2026-12-05-session-31.md).
     "q7" and "q4" change the results, so only a draft head takes them: its drafts are verified by
-    the target, never emitted unchecked (`q7_blocker` says where they are slower)."""
+    the target, never emitted unchecked (`q7_blocker` says where they are slower).
+
+    file_weights: a quantized GGUF target's Linears in the file's own blocks, by module path
+    (`checkpoints.gguf_loader.load_gguf_group_weights`): those are packed from them
+    (`kernels.pack_g4` / `pack_g8`, the file's numbers exactly, a third to a half of bf16's
+    bytes) and the rest as `weights` says. Linears sharing a fused call are packed together
+    only where all of them take the same format."""
     if weights not in PACKED_WEIGHTS:
         raise ValueError(f"unknown packed weights {weights!r}; known: {PACKED_WEIGHTS}")
     reason = cpu_kernel_blocker(module)
@@ -118,16 +128,29 @@ def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16") -> nnx.Module:
     pack = {"bf16": kernels.pack, "q7": kernels.pack_q7, "q4": kernels.pack_q4}[weights]
     pack_head = kernels.pack_q7 if weights == "q4" else pack
 
+    file_weights = file_weights or {}
+    paths = {id(node): ".".join(map(str, path)) for path, node in nnx.iter_graph(module)}
+
     def packable(*linears: Linear) -> bool:
         return all(lin.kernel.shape[1] % kernels.TILE == 0 for lin in linears)
 
+    def file_format(lin: Linear) -> str:  # "g4" / "g8" where the file's blocks serve it, else `weights`
+        gw = file_weights.get(paths[id(lin)])
+        return weights if gw is None or gw.shape != lin.kernel.shape else gw.format
+
+    def packed_one(lin: Linear):
+        if file_format(lin) in GROUP_FORMATS:
+            return pack_group(file_weights[paths[id(lin)]])
+        return pack(lin.kernel[...])
+
     def packed(*linears: Linear) -> PackedKernel:  # side by side along the output tiles
-        return PackedKernel(jnp.concatenate([pack(lin.kernel[...]) for lin in linears], axis=0))
+        return PackedKernel(jnp.concatenate([packed_one(lin) for lin in linears], axis=0))
 
     grouped: set[int] = set()  # Linears served by a fused call (no packed copy of their own)
     for _, node in nnx.iter_graph(module):
         for kind, (attr, names) in FUSED_CALLS.items():
-            if isinstance(node, kind) and packable(*(linears := tuple(getattr(node, n) for n in names))):
+            linears = tuple(getattr(node, n) for n in names) if isinstance(node, kind) else ()
+            if linears and packable(*linears) and len({file_format(lin) for lin in linears}) == 1:
                 setattr(node, attr, packed(*linears))
                 grouped.update(id(lin) for lin in linears)
     for _, node in nnx.iter_graph(module):
@@ -135,9 +158,22 @@ def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16") -> nnx.Module:
             node.kernel_packed = packed(node)
     if hasattr(module, "lm_head_packed"):
         head = module.lm_head_weight()
-        if head.shape[1] % kernels.TILE == 0:
+        gw = file_weights.get("lm_head" if module.lm_head is not None else "embed_tokens")
+        if gw is not None and gw.shape == head.shape:
+            module.lm_head_packed = PackedKernel(pack_group(gw))
+        elif head.shape[1] % kernels.TILE == 0:
             module.lm_head_packed = PackedKernel(pack_head(head))
     return module
+
+
+GROUP_FORMATS = ("g4", "g8")
+
+
+def pack_group(gw: GroupWeights) -> jax.Array:
+    """A GGUF weight's blocks packed for the kernel (`kernels.pack_g4` / `pack_g8`)."""
+    if gw.format == "g4":
+        return jnp.asarray(kernels.pack_g4(gw.q, gw.scale, gw.min))
+    return jnp.asarray(kernels.pack_g8(gw.q, gw.scale))
 
 
 def q7_blocker() -> str | None:
@@ -155,10 +191,11 @@ def q7_blocker() -> str | None:
 DRAFT_WEIGHTS = ("auto", "native", "q7", "q4")
 
 
-def choose_matmul(module: nnx.Module, matmul: str, weights: str = "bf16") -> str:
+def choose_matmul(module: nnx.Module, matmul: str, weights: str = "bf16",
+                  file_weights: Mapping[str, GroupWeights] | None = None) -> str:
     """Apply a `load(matmul=...)` choice: "auto" packs for the CPU kernel where it can run (and
     says why not in the log where it cannot), "cpu_kernel" requires it, "xla" never uses it.
-    `weights` is `pack_cpu_matmuls`'s ("q7" and "q4" for draft heads only). Returns the path taken:
+    `weights` and `file_weights` are `pack_cpu_matmuls`'s ("q7" and "q4" for draft heads only). Returns the path taken:
     "cpu_kernel" or "xla"."""
     import logging
 
@@ -168,7 +205,7 @@ def choose_matmul(module: nnx.Module, matmul: str, weights: str = "bf16") -> str
         return "xla"
     reason = cpu_kernel_blocker(module)
     if reason is None:
-        pack_cpu_matmuls(module, weights)
+        pack_cpu_matmuls(module, weights, file_weights)
         return "cpu_kernel"
     if matmul == "cpu_kernel":
         raise ValueError(f"matmul='cpu_kernel' cannot serve this model: {reason}")
