@@ -126,6 +126,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                     help="target and head weights/activations (norms, softmax, logits stay float32)")
+    ap.add_argument("--target-weights", default="auto", choices=("auto", "file", "bf16"),
+                    help="the target's matmul weights on the CPU kernel (Options.target_weights): a GGUF file's own "
+                         "blocks (file) or bf16")
     ap.add_argument("--out", default="results/offline")
     args = ap.parse_args(argv)
     if args.head_draft_tokens is not None and args.head_draft_tokens < 1:
@@ -156,12 +159,13 @@ def _load(args):
         target_path = None
         target_label = f"tiny random llama (vocab {len(tok)}, RANDOM WEIGHTS)"
     else:
-        llm = load(args.target, method="none", dtype=args.dtype)
+        llm = load(args.target, method="none", dtype=args.dtype, target_weights=args.target_weights)
         if args.tokenizer:
             llm.tokenizer = load_tokenizer(args.tokenizer)
             llm.eos_ids = eos_token_ids(llm.tokenizer, Path(args.tokenizer))
         target_path = llm.model_path
-        target_label = f"{Path(target_path).name} ({args.dtype})"  # the file, not where it lies here
+        target_label = (f"{Path(target_path).name} ({args.dtype}, "  # the file, not where it lies here
+                        f"{llm.options.get('target_weights', 'bf16')} weights)")
     eos = [] if args.ignore_eos else llm.eos_ids
     return llm, target_path, target_label, llm.tokenizer, eos
 

@@ -239,29 +239,29 @@ def pack_g4(q: UInt8[np.ndarray, "I O"], scale: Float[np.ndarray, "G O"],
             minimum: Float[np.ndarray, "G O"]) -> UInt8[np.ndarray, "T G 768"]:
     """A target weight w = scale * q - min in groups of 32 inputs (q in [0, 15]: a GGUF file's
     Q4_0 / Q4_1 / Q4_K blocks, `peagle_jax.checkpoints.gguf_blocks`) -> [O/32, I/32, 768] uint8:
-    per 32-column tile, per group, the 32 float32 scales, the 32 mins, then per input 16 bytes,
-    byte b holding column b's q in its low nibble and column b + 16's in its high one
+    per 32-column tile, per group, the 32 float32 scales, the 32 mins, then per input pair j 32
+    bytes, byte 2c + e holding q[2j + e, c] in its low nibble and q[2j + e, c + 16] in its high one
     (gemv_group.cc). Numpy, at load time."""
     i, o = q.shape
     if o % TILE or i % G4_GROUP or scale.shape != (i // G4_GROUP, o) or minimum.shape != scale.shape:
         raise ValueError(f"kernels_cpu.pack_g4: q {q.shape}, scale {scale.shape}, min {minimum.shape} do not make "
                          f"[I, O] weights with I a multiple of {G4_GROUP} and O of {TILE}")
     t, g = o // TILE, i // G4_GROUP
-    qt = np.asarray(q, np.uint8).reshape(g, G4_GROUP, t, TILE).transpose(2, 0, 1, 3)  # [T, G, k, c]
-    nibbles = (qt[..., :TILE // 2] | (qt[..., TILE // 2:] << 4)).reshape(t, g, G4_GROUP * TILE // 2)
+    qt = np.asarray(q, np.uint8).reshape(g, G4_GROUP // 2, 2, t, TILE).transpose(3, 0, 1, 2, 4)  # [T, G, j, e, c]
+    nibbles = (qt[..., :TILE // 2] | (qt[..., TILE // 2:] << 4)).swapaxes(-1, -2).reshape(t, g, -1)
     return np.concatenate([_tile_floats(scale, t), _tile_floats(minimum, t), nibbles], axis=-1)
 
 
 def pack_g8(q: Int8[np.ndarray, "I O"], scale: Float[np.ndarray, "G O"]) -> UInt8[np.ndarray, "T G 640"]:
     """A target weight w = scale * q in groups of 16 inputs (q int8: a GGUF file's Q8_0 / Q6_K /
     Q5_0 blocks) -> [O/32, I/16, 640] uint8: per tile and group, the 32 float32 scales, then per
-    input the 32 columns' q (gemv_group.cc). Numpy, at load time."""
+    input pair j 64 bytes, byte 2c + e holding q[2j + e, c] (gemv_group.cc). Numpy, at load time."""
     i, o = q.shape
     if o % TILE or i % G8_GROUP or scale.shape != (i // G8_GROUP, o):
         raise ValueError(f"kernels_cpu.pack_g8: q {q.shape}, scale {scale.shape} do not make [I, O] weights "
                          f"with I a multiple of {G8_GROUP} and O of {TILE}")
     t, g = o // TILE, i // G8_GROUP
-    qt = np.asarray(q, np.int8).view(np.uint8).reshape(g, G8_GROUP, t, TILE).transpose(2, 0, 1, 3)
+    qt = np.asarray(q, np.int8).view(np.uint8).reshape(g, G8_GROUP // 2, 2, t, TILE).transpose(3, 0, 1, 4, 2)
     return np.concatenate([_tile_floats(scale, t), qt.reshape(t, g, G8_GROUP * TILE)], axis=-1)
 
 
@@ -279,11 +279,12 @@ def unpack_group(packed: UInt8[Array, "T G R"]) -> Float[Array, "I O"]:
                                           jnp.float32)  # [T, G, 1 or 2, 32]
     body = packed[..., record - _GROUP_BYTES[record]:]
     if record == G4_RECORD:
-        b = body.reshape(t, g, G4_GROUP, TILE // 2)
-        q = jnp.concatenate([b & 0xF, b >> 4], axis=-1).astype(jnp.float32)  # [T, G, k, 32]
+        b = body.reshape(t, g, G4_GROUP // 2, TILE // 2, 2).swapaxes(-1, -2)  # [T, G, j, e, c < 16]
+        q = jnp.concatenate([b & 0xF, b >> 4], axis=-1).reshape(t, g, G4_GROUP, TILE).astype(jnp.float32)
         w = q * floats[:, :, None, 0] - floats[:, :, None, 1]
     else:
-        q = jax.lax.bitcast_convert_type(body, jnp.int8).reshape(t, g, G8_GROUP, TILE).astype(jnp.float32)
+        q = jax.lax.bitcast_convert_type(body, jnp.int8).reshape(t, g, G8_GROUP // 2, TILE, 2)
+        q = q.swapaxes(-1, -2).reshape(t, g, G8_GROUP, TILE).astype(jnp.float32)
         w = q * floats[:, :, None, 0]
     return w.transpose(1, 2, 0, 3).reshape(-1, t * TILE)
 

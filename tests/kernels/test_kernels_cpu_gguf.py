@@ -60,10 +60,17 @@ def test_kernel_is_the_dequantized_product_and_row_invariant(name):
     packed = jnp.asarray(pack(gw.q, gw.scale, gw.min) if gw.format == "g4" else pack(gw.q, gw.scale))
     w = gw.dequantize()
     np.testing.assert_array_equal(np.asarray(kernels_cpu.unpack_group(packed)), w)
-    x = jnp.asarray(rng.standard_normal((7, inp)), jnp.bfloat16)
+    x = rng.standard_normal((7, inp))
+    x[0, :64] = 0.0  # an all-zero group
+    x[1] *= 1e3  # rows far from 1, and groups spanning many powers of two
+    x[2, 32:96] *= np.logspace(-6, 2, 64)
+    x = jnp.asarray(x, jnp.bfloat16)
     y = np.asarray(kernels_cpu.matmul(x, packed))
     reference = np.asarray(x, np.float64) @ w.astype(np.float64)
-    np.testing.assert_allclose(y, reference, rtol=0, atol=1e-5 * np.abs(reference).max())
+    # the kernel rounds each row's values at 2^-14 of its group's largest (gemv_group.cc): far
+    # below the 2^-8 at which the activations are bf16 in the first place
+    error = np.abs(y - reference) / np.abs(reference).max(axis=1, keepdims=True)
+    assert error.max() < 5e-4, error.max(axis=1)
     for rows in range(1, 7):
         np.testing.assert_array_equal(np.asarray(kernels_cpu.matmul(x[:rows], packed)), y[:rows])
     bf16 = np.asarray(kernels_cpu.matmul(x, packed, jnp.bfloat16))
