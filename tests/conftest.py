@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 import os
+import re
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 # PEAGLE_TYPECHECK=1 (set by .ci/run): run-time shape/dtype checks of the jaxtyping annotations
@@ -188,3 +191,86 @@ def tiny_head(tiny_target):
                                    mask_token_id=TINY_VOCAB - 1)
     return create_drafter(cfg, seed=2)
 
+
+def write_gguf(hf, path: Path, *, rope_freqs: np.ndarray | None = None, linear_factor: float | None = None,
+               types: dict | None = None):
+    """A minimal llama.cpp-style GGUF of an HF model (names, q/k permutation, experts): F32, or
+    `types` {GGUF tensor-name regex: GGMLQuantizationType} quantized by `gguf.quants.quantize`."""
+    gguf = pytest.importorskip("gguf")
+    c = hf.config
+    arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}[c.model_type]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if linear_factor is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(linear_factor)
+    if arch == "qwen3moe":
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    w.add_eos_token_id(1)
+
+    def permute(x, n):  # llama.cpp convert_hf_to_gguf.py LlamaModel.permute
+        return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+             "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp"}
+    sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
+    if c.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    out = {}
+    for k, v in sd.items():
+        if k == "model.embed_tokens.weight":
+            out["token_embd.weight"] = v
+        elif k == "lm_head.weight":
+            out["output.weight"] = v
+        elif k == "model.norm.weight":
+            out["output_norm.weight"] = v
+        elif ".mlp.experts." in k:
+            continue
+        else:
+            _, _, layer, rest = k.split(".", 3)
+            mod, kind = rest.rsplit(".", 1)
+            if arch == "llama" and mod == "self_attn.q_proj":
+                v = permute(v, c.num_attention_heads)
+            elif arch == "llama" and mod == "self_attn.k_proj":
+                v = permute(v, c.num_key_value_heads)
+            out[f"blk.{layer}.{names[mod]}.{kind}"] = v
+    for i in range(c.num_hidden_layers):  # experts, per-expert or fused in the state dict
+        p = f"model.layers.{i}.mlp.experts"
+        if f"{p}.gate_up_proj" in sd:
+            gate, up = np.split(sd[f"{p}.gate_up_proj"], 2, axis=1)
+            down = sd[f"{p}.down_proj"]
+        elif f"{p}.0.up_proj.weight" in sd:
+            gate, up, down = (np.stack([sd[f"{p}.{e}.{n}_proj.weight"] for e in range(c.num_experts)])
+                              for n in ("gate", "up", "down"))
+        else:
+            continue
+        out[f"blk.{i}.ffn_gate_exps.weight"], out[f"blk.{i}.ffn_up_exps.weight"] = gate, up
+        out[f"blk.{i}.ffn_down_exps.weight"] = down
+    if rope_freqs is not None:
+        out["rope_freqs.weight"] = rope_freqs.astype(np.float32)
+    for name, arr in out.items():
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        qtype = next((t for pattern, t in (types or {}).items() if re.fullmatch(pattern, name)), None)
+        if qtype is None:
+            w.add_tensor(name, arr)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

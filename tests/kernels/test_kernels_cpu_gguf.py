@@ -82,3 +82,70 @@ def test_packers_reject_shapes_they_cannot_tile():
         kernels_cpu.pack_g4(np.zeros((64, 40), np.uint8), np.zeros((2, 40), np.float32), np.zeros((2, 40), np.float32))
     with pytest.raises(ValueError, match="multiple of 16"):
         kernels_cpu.pack_g8(np.zeros((24, 32), np.int8), np.zeros((1, 32), np.float32))
+
+
+# Layer 0 in 4-bit blocks, layer 1 mixed (q / k 4-bit with v 8-bit: no fused q/k/v call), the
+# embedding or lm_head in Q8_0; norms stay F32.
+_TYPES = {r"blk\.0\.(attn_[qkv]|attn_output|ffn_gate|ffn_up|ffn_down)\.weight": T.Q4_0,
+          r"blk\.1\.(attn_[qk]|attn_output|ffn_gate|ffn_up)\.weight": T.Q4_1,
+          r"blk\.1\.attn_v\.weight": T.Q8_0, r"blk\.1\.ffn_down\.weight": T.Q5_0,
+          r"(token_embd|output)\.weight": T.Q8_0}
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_quantized_gguf_target_runs_on_its_own_blocks(make_tiny_hf, tmp_path, arch):
+    """Every Linear and the lm_head packed from the file (llama: tied, q/k un-permuted; qwen2:
+    biases); logits close to the float32 dequantized model's; speculative output equals plain."""
+    from benchmarks.weights_quality import teacher_forced_logits
+    from conftest import write_gguf
+    from peagle_jax.api import LoadedModel
+    from peagle_jax.checkpoints import load_target
+    from peagle_jax.checkpoints.gguf_loader import load_gguf_group_weights
+    from peagle_jax.drafters.ngram import NgramProposer
+    from peagle_jax.models.options import choose_matmul, configure_inference
+
+    hf = make_tiny_hf(arch, intermediate_size=128, num_hidden_layers=2, tie_word_embeddings=arch == "llama")
+    path = tmp_path / "m.gguf"
+    write_gguf(hf, path, types=_TYPES)
+    found = load_gguf_group_weights(path)
+    assert {k: v.format for k, v in found.items()} == {
+        **{f"layers.0.{m}": "g4" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                          "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")},
+        **{f"layers.1.{m}": "g4" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj",
+                                          "mlp.gate_proj", "mlp.up_proj")},
+        "layers.1.self_attn.v_proj": "g8", "layers.1.mlp.down_proj": "g8",
+        "embed_tokens" if arch == "llama" else "lm_head": "g8"}
+
+    target = load_target(path, dtype="bfloat16")
+    assert choose_matmul(target, "auto", file_weights=found) == "cpu_kernel"
+    configure_inference(target, attention="cpu")
+    layer0, layer1 = target.layers[0], target.layers[1]
+    assert layer0.self_attn.qkv_packed[...].shape[-1] == kernels_cpu.G4_RECORD  # one fused call
+    assert layer1.self_attn.qkv_packed is None  # mixed formats: a call each
+    assert layer1.self_attn.v_proj.kernel_packed[...].shape[-1] == kernels_cpu.G8_RECORD
+    assert target.lm_head_packed[...].shape[-1] == kernels_cpu.G8_RECORD
+
+    reference = load_target(path, dtype="float32")
+    tokens = list(range(3, 40))
+    ours = teacher_forced_logits(LoadedModel.from_target(target), tokens)
+    ref = teacher_forced_logits(LoadedModel.from_target(reference), tokens)
+    assert np.abs(ours - ref).max() < 0.05 * np.abs(ref).max()  # bf16 activations, the file's weights
+
+    plain = LoadedModel.from_target(target).generate([tokens[:12]], max_new_tokens=24).tokens[0]
+    lookup = LoadedModel.from_target(target, drafter=NgramProposer(2, 4), method="ngram").generate(
+        [tokens[:12]], max_new_tokens=24, num_draft_tokens=3).tokens[0]
+    assert list(lookup) == list(plain)
+
+
+def test_target_weights_file_names_what_it_needs(tmp_path):
+    from peagle_jax.api import _file_weights
+    from peagle_jax.options import Options
+
+    with pytest.raises(ValueError, match="target_weights 'file' runs on the CPU matmul kernel"):
+        Options(target_weights="file", dtype="float32")
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        _file_weights(Options(target_weights="file"), folder, None)
+    assert _file_weights(Options(target_weights="auto"), folder, None) is None

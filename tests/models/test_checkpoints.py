@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import write_gguf
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -202,83 +203,6 @@ def test_routed_expert_layouts_agree(make_tiny_hf, tmp_path):
 # ----------------------------------------------------------------------------- GGUF
 
 
-def _write_gguf(hf, path: Path, *, rope_freqs: np.ndarray | None = None, linear_factor: float | None = None):
-    """A minimal llama.cpp-style F32 GGUF of an HF model (names, q/k permutation, experts)."""
-    gguf = pytest.importorskip("gguf")
-    c = hf.config
-    arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}[c.model_type]
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    if linear_factor is not None:
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(linear_factor)
-    if arch == "qwen3moe":
-        w.add_expert_count(c.num_experts)
-        w.add_expert_used_count(c.num_experts_per_tok)
-        w.add_expert_feed_forward_length(c.moe_intermediate_size)
-    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
-    w.add_eos_token_id(1)
-
-    def permute(x, n):  # llama.cpp convert_hf_to_gguf.py LlamaModel.permute
-        return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
-
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-             "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp"}
-    sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
-    if c.tie_word_embeddings:
-        sd.pop("lm_head.weight", None)
-    out = {}
-    for k, v in sd.items():
-        if k == "model.embed_tokens.weight":
-            out["token_embd.weight"] = v
-        elif k == "lm_head.weight":
-            out["output.weight"] = v
-        elif k == "model.norm.weight":
-            out["output_norm.weight"] = v
-        elif ".mlp.experts." in k:
-            continue
-        else:
-            _, _, layer, rest = k.split(".", 3)
-            mod, kind = rest.rsplit(".", 1)
-            if arch == "llama" and mod == "self_attn.q_proj":
-                v = permute(v, c.num_attention_heads)
-            elif arch == "llama" and mod == "self_attn.k_proj":
-                v = permute(v, c.num_key_value_heads)
-            out[f"blk.{layer}.{names[mod]}.{kind}"] = v
-    for i in range(c.num_hidden_layers):  # experts, per-expert or fused in the state dict
-        p = f"model.layers.{i}.mlp.experts"
-        if f"{p}.gate_up_proj" in sd:
-            gate, up = np.split(sd[f"{p}.gate_up_proj"], 2, axis=1)
-            down = sd[f"{p}.down_proj"]
-        elif f"{p}.0.up_proj.weight" in sd:
-            gate, up, down = (np.stack([sd[f"{p}.{e}.{n}_proj.weight"] for e in range(c.num_experts)])
-                              for n in ("gate", "up", "down"))
-        else:
-            continue
-        out[f"blk.{i}.ffn_gate_exps.weight"], out[f"blk.{i}.ffn_up_exps.weight"] = gate, up
-        out[f"blk.{i}.ffn_down_exps.weight"] = down
-    if rope_freqs is not None:
-        out["rope_freqs.weight"] = rope_freqs.astype(np.float32)
-    for name, arr in out.items():
-        w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 @pytest.mark.parametrize(
     "arch, overrides",
     [
@@ -294,7 +218,7 @@ def test_gguf_matches_hf_directory(make_tiny_hf, tmp_path, arch, overrides):
     """Same weights through both loaders (GGUF q/k un-permutation, names, experts, config)."""
     hf = make_tiny_hf(arch, **{**SMALL, **overrides})
     hf.save_pretrained(tmp_path / "hf")
-    _write_gguf(hf, tmp_path / "m.gguf")
+    write_gguf(hf, tmp_path / "m.gguf")
     from_gguf, from_hf = load_target(tmp_path / "m.gguf"), load_target(tmp_path / "hf")
     _assert_same_params(from_gguf, from_hf)
     a, b = from_gguf.config, from_hf.config
@@ -329,11 +253,11 @@ def test_gguf_rope_scaling(make_tiny_hf, tmp_path, kind):
         rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                     original_max_position_embeddings=16, rope_theta=10000.0)
         hf = make_tiny_hf("llama", rope_parameters=rope, **SMALL)
-        _write_gguf(hf, tmp_path / "m.gguf", rope_freqs=_llama3_factors(10000.0, 16, 8.0, 1.0, 4.0, 16))
+        write_gguf(hf, tmp_path / "m.gguf", rope_freqs=_llama3_factors(10000.0, 16, 8.0, 1.0, 4.0, 16))
     else:
         hf = make_tiny_hf("llama", rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=10000.0),
                           **SMALL)
-        _write_gguf(hf, tmp_path / "m.gguf", linear_factor=2.0)
+        write_gguf(hf, tmp_path / "m.gguf", linear_factor=2.0)
     hf.save_pretrained(tmp_path / "hf")
     ref = hf.model.rotary_emb.inv_freq.numpy()
     assert float(getattr(hf.model.rotary_emb, "attention_scaling", 1.0)) == 1.0
