@@ -131,14 +131,16 @@ struct Job {
   std::unique_ptr<float[]> sums;
   uint16_t* yb = nullptr;
 
+  // Tile by tile, every row block over the tile while it is in cache: a long call (a prompt's
+  // prefill) reads each weight from memory once, not once per block of rows.
   void Tiles(int64_t t0, int64_t t1) {
     alignas(64) float acc[kBlock * kTile];
-    for (int64_t r0 = 0; r0 < M; r0 += kBlock) {
-      const int64_t rows = std::min<int64_t>(M - r0, kBlock);
-      const uint32_t* x = xp.data() + r0 * (I / 2);
-      const float *p = pow2.data() + r0 * G, *xs = xsum.data() + r0 * G;
-      for (int64_t t = t0; t < t1; ++t) {
-        const uint8_t* tile = Q + t * G * F::kRecord;
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* tile = Q + t * G * F::kRecord;
+      for (int64_t r0 = 0; r0 < M; r0 += kBlock) {
+        const int64_t rows = std::min<int64_t>(M - r0, kBlock);
+        const uint32_t* x = xp.data() + r0 * (I / 2);
+        const float *p = pow2.data() + r0 * G, *xs = xsum.data() + r0 * G;
         if (rows == 1) tile_rows<F, 1>(x, I, p, xs, G, tile, acc);
         else tile_rows<F, 2>(x, I, p, xs, G, tile, acc);
         for (int64_t r = 0; r < rows; ++r) std::memcpy(y + (r0 + r) * O + t * kTile, acc + r * kTile, sizeof(float) * kTile);

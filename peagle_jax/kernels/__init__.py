@@ -23,7 +23,17 @@ from peagle_jax.kernels.attention import (
     resolve_implementation,
 )
 from peagle_jax.kernels.fp8 import compute_scale, dequantize, quantize_kv, quantize_with_scale
-from peagle_jax.kernels.matmul import TILE, matmul, pack, pack_g4, pack_g8, pack_q4, pack_q7, unpack_group
+from peagle_jax.kernels.matmul import (
+    TILE,
+    is_group_packed,
+    matmul,
+    pack,
+    pack_g4,
+    pack_g8,
+    pack_q4,
+    pack_q7,
+    unpack_group,
+)
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -35,6 +45,7 @@ __all__ = [
     "compute_scale",
     "cpu",
     "dequantize",
+    "is_group_packed",
     "matmul",
     "pack",
     "pack_g4",

@@ -9,14 +9,33 @@ draft head; `pack_g4` / `pack_g8`: a quantized GGUF target's own blocks), each o
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, BFloat16, Float, UInt8
 
 import kernels_cpu
-from kernels_cpu import TILE, pack, pack_g4, pack_g8, pack_q4, pack_q7, unpack_group, unpack_q4, unpack_q7
+from kernels_cpu import (
+    G4_RECORD,
+    G8_RECORD,
+    TILE,
+    pack,
+    pack_g4,
+    pack_g8,
+    pack_q4,
+    pack_q7,
+    unpack_group,
+    unpack_q4,
+    unpack_q7,
+)
 
-__all__ = ["TILE", "matmul", "pack", "pack_g4", "pack_g8", "pack_q4", "pack_q7", "unpack_group", "unpack_q4",
-           "unpack_q7"]
+__all__ = ["TILE", "is_group_packed", "matmul", "pack", "pack_g4", "pack_g8", "pack_q4", "pack_q7", "unpack_group",
+           "unpack_q4", "unpack_q7"]
+
+
+def is_group_packed(packed: jax.Array) -> bool:
+    """Whether `packed` is `pack_g4` / `pack_g8` output: a GGUF file's blocks, which the kernel
+    serves at every row count (a prompt's prefill too: gemv_group.cc)."""
+    return packed.dtype == jnp.uint8 and packed.ndim == 3 and packed.shape[-1] in (G4_RECORD, G8_RECORD)
 
 
 def matmul(x: Float[Array, "*lead I"], packed: BFloat16[Array, "T J 64"] | UInt8[Array, "T S _"],

@@ -70,21 +70,23 @@ def kernel_max_rows() -> int | None:
 
 def uses_cpu_kernel(x: Float[Array, "... I"], packed: PackedKernel | None) -> bool:
     """Whether this call goes to `kernels.matmul`: a packed weight exists and the call is
-    within `kernel_max_rows()` rows per sequence. Decided at trace time."""
+    within `kernel_max_rows()` rows per sequence, or the weight is a GGUF file's blocks (their
+    only copy, `models.options.pack_cpu_matmuls`). Decided at trace time."""
     if packed is None:
         return False
     limit = kernel_max_rows()
-    return limit is None or (x.shape[-2] if x.ndim >= 2 else 1) <= limit
+    return limit is None or (x.shape[-2] if x.ndim >= 2 else 1) <= limit or kernels.is_group_packed(packed[...])
 
 
-def packed_matmul(x: Float[Array, "... I"], packed: PackedKernel | None, w: Float[Array, "I O"], *,
+def packed_matmul(x: Float[Array, "... I"], packed: PackedKernel | None, w: Float[Array, "I O"] | None, *,
                   out_dtype=None) -> Float[Array, "... O"]:
     """x @ w through the row-invariant CPU custom call when `packed` holds `kernels.pack(w)`
-    and the call is decode-sized (`uses_cpu_kernel`), else through `matmul`."""
+    and the call is decode-sized (`uses_cpu_kernel`), else through `matmul`. w is None where
+    `packed` is a GGUF file's blocks, the weight's only copy."""
     if not uses_cpu_kernel(x, packed):
         return matmul(x, w, out_dtype=out_dtype)
 
-    return kernel_matmul(x, packed, out_dtype or jnp.result_type(x.dtype, w.dtype))
+    return kernel_matmul(x, packed, out_dtype or (x.dtype if w is None else jnp.result_type(x.dtype, w.dtype)))
 
 
 def kernel_matmul(x: Float[Array, "... I"], packed: PackedKernel, out_dtype) -> Float[Array, "... O"]:
@@ -100,8 +102,9 @@ def fused_linears(x: Float[Array, "... I"], packed: PackedKernel | None, linears
     each output has exactly the bits of that Linear's own kernel call."""
     if not uses_cpu_kernel(x, packed):
         return tuple(linear(x) for linear in linears)
-    y = kernel_matmul(x, packed, jnp.result_type(x.dtype, linears[0].kernel.dtype))
-    edges = np.cumsum([linear.kernel.shape[1] for linear in linears])[:-1]
+    weight = linears[0].kernel
+    y = kernel_matmul(x, packed, x.dtype if weight is None else jnp.result_type(x.dtype, weight.dtype))
+    edges = np.cumsum([linear.out_features for linear in linears])[:-1]
     return tuple(part if linear.bias is None else part + linear.bias[...]
                  for part, linear in zip(jnp.split(y, edges, axis=-1), linears, strict=True))
 
@@ -110,6 +113,8 @@ class Linear(nnx.Module):
     """y = x @ W (+ b), W stored [in, out] (the transpose of torch's [out, in])."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs, std: float = 0.02):
+        self.out_features = d_out
+        # None where a GGUF file's blocks are the only copy (kernel_packed, models.options)
         self.kernel = nnx.Param(std * jax.random.normal(rngs.params(), (d_in, d_out), dtype))
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
         self.kernel_scale = nnx.data(None)  # per-output-channel scale of an FP8 kernel (models.options)
@@ -119,7 +124,7 @@ class Linear(nnx.Module):
         if self.kernel_scale is not None:  # FP8 weights: dequantize after the matmul (per column)
             y = matmul(x, self.kernel[...].astype(x.dtype)) * self.kernel_scale[...].astype(x.dtype)
         else:
-            y = packed_matmul(x, self.kernel_packed, self.kernel[...])
+            y = packed_matmul(x, self.kernel_packed, None if self.kernel is None else self.kernel[...])
         if self.bias is not None:
             y = y + self.bias[...]
         return y

@@ -88,7 +88,7 @@ def cpu_kernel_blocker(module: nnx.Module) -> str | None:
         return f"the backend is {jax.default_backend()}, not cpu"
     if getattr(module, "mesh", None) is not None:
         return "the module is sharded over a mesh"
-    linears = [n for _, n in nnx.iter_graph(module) if isinstance(n, Linear)]
+    linears = [n for _, n in nnx.iter_graph(module) if isinstance(n, Linear) and n.kernel is not None]
     if any(n.kernel_scale is not None for n in linears):
         return "the weights are FP8"
     if any(n.kernel[...].dtype != jnp.bfloat16 for n in linears):
@@ -119,7 +119,9 @@ def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16",
     (`checkpoints.gguf_loader.load_gguf_group_weights`): those are packed from them
     (`kernels.pack_g4` / `pack_g8`, the file's numbers exactly, a third to a half of bf16's
     bytes) and the rest as `weights` says. Linears sharing a fused call are packed together
-    only where all of them take the same format."""
+    only where all of them take the same format. The kernel serves those at every row count,
+    prefill included, so their bf16 weights are dropped: the blocks are the only copy in memory
+    (a 1.5B Q4_K_M target holds about 1.3 GB, not 3.1)."""
     if weights not in PACKED_WEIGHTS:
         raise ValueError(f"unknown packed weights {weights!r}; known: {PACKED_WEIGHTS}")
     reason = cpu_kernel_blocker(module)
@@ -153,16 +155,22 @@ def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16",
             if linears and packable(*linears) and len({file_format(lin) for lin in linears}) == 1:
                 setattr(node, attr, packed(*linears))
                 grouped.update(id(lin) for lin in linears)
-    for _, node in nnx.iter_graph(module):
-        if isinstance(node, Linear) and id(node) not in grouped and packable(node):
-            node.kernel_packed = packed(node)
+    linears = [node for _, node in nnx.iter_graph(module) if isinstance(node, Linear)]
+    for lin in linears:
+        if id(lin) not in grouped and packable(lin):
+            lin.kernel_packed = packed(lin)
     if hasattr(module, "lm_head_packed"):
         head = module.lm_head_weight()
-        gw = file_weights.get("lm_head" if module.lm_head is not None else "embed_tokens")
+        gw = file_weights.get("embed_tokens" if module.config.tie_word_embeddings else "lm_head")
         if gw is not None and gw.shape == head.shape:
             module.lm_head_packed = PackedKernel(pack_group(gw))
+            if not module.config.tie_word_embeddings:
+                module.lm_head = None  # the blocks are its only copy (CausalLM.lm_head_weight)
         elif head.shape[1] % kernels.TILE == 0:
             module.lm_head_packed = PackedKernel(pack_head(head))
+    for lin in linears:  # the file's blocks serve every call (prefill too): the only copy kept
+        if file_format(lin) in GROUP_FORMATS:
+            lin.kernel = None
     return module
 
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from peagle_jax import kernels
 from peagle_jax.cache import KVCache, shard_cache
 from peagle_jax.models.config import ModelConfig
 from peagle_jax.models.layers import MLP, Attention, MoE, RMSNorm, packed_matmul
@@ -80,7 +81,11 @@ class CausalLM(nnx.Module):
         return jnp.take(self.embed_tokens[...], tokens, axis=0)
 
     def lm_head_weight(self) -> Float[Array, "D V"]:
-        return self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens[...].T
+        if self.lm_head is None:  # kept only in a GGUF file's blocks (models.options.pack_cpu_matmuls)
+            return kernels.unpack_group(self.lm_head_packed[...]).astype(self.config.dtype)
+        return self.lm_head[...]
 
     def logits(self, hidden: Float[Array, "... D"]) -> Float[Array, "... V"]:
         return packed_matmul(hidden, self.lm_head_packed, self.lm_head_weight(), out_dtype=jnp.float32)

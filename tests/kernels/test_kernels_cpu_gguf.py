@@ -97,8 +97,9 @@ _TYPES = {r"blk\.0\.(attn_[qkv]|attn_output|ffn_gate|ffn_up|ffn_down)\.weight": 
 def test_a_quantized_gguf_target_runs_on_its_own_blocks(make_tiny_hf, tmp_path, arch):
     """Every Linear and the lm_head packed from the file (llama: tied, q/k un-permuted; qwen2:
     biases); logits close to the float32 dequantized model's; speculative output equals plain."""
-    from benchmarks.weights_quality import teacher_forced_logits
     from conftest import write_gguf
+
+    from benchmarks.weights_quality import teacher_forced_logits
     from peagle_jax.api import LoadedModel
     from peagle_jax.checkpoints import load_target
     from peagle_jax.checkpoints.gguf_loader import load_gguf_group_weights
