@@ -14,6 +14,7 @@ weights stay in bf16 on the kernel (`models.options.pack_cpu_matmuls`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -112,6 +113,25 @@ _FORMATS = {
     T.Q6_K: ("g8", 256, 210, _q6_k),
 }
 GROUP_TYPES = tuple(t.name for t in _FORMATS)
+
+
+@dataclass(frozen=True)
+class GroupTensor:
+    """A GGUF tensor with an exact kernel format, parsed when `parse()` is called: a loader
+    packs one tensor at a time, never holding a whole model's parsed integers."""
+
+    format: str  # "g4" or "g8"
+    shape: tuple[int, int]  # [in, out]
+    parse: Callable[[], GroupWeights]
+
+
+def group_tensor(data: np.ndarray, qtype: T, out_features: int, in_features: int,
+                 row_order: np.ndarray | None = None) -> GroupTensor | None:
+    """`group_weights`, deferred: None where the type has no exact kernel format."""
+    if qtype not in _FORMATS or in_features % _FORMATS[qtype][1]:
+        return None
+    return GroupTensor(_FORMATS[qtype][0], (in_features, out_features),
+                       lambda: group_weights(data, qtype, out_features, in_features, row_order))
 
 
 def group_weights(data: np.ndarray, qtype: T, out_features: int, in_features: int,

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from peagle_jax.checkpoints.gguf_blocks import GroupWeights, group_weights
+from peagle_jax.checkpoints.gguf_blocks import GroupTensor, group_tensor
 from peagle_jax.checkpoints.params import CheckpointError, assign_params
 from peagle_jax.models.config import ModelConfig
 from peagle_jax.models.transformer import CausalLM
@@ -159,9 +159,10 @@ def load_gguf_model(path: str | Path, *, dtype: str = "float32") -> CausalLM:
     return model
 
 
-def load_gguf_group_weights(path: str | Path) -> dict[str, GroupWeights]:
-    """The Linear weights of a GGUF file kept in its own quantization, as `GroupWeights` by module
-    path ("layers.0.self_attn.q_proj", "lm_head"; "embed_tokens" for a tied lm_head), for
+def load_gguf_group_weights(path: str | Path) -> dict[str, GroupTensor]:
+    """The Linear weights of a GGUF file kept in its own quantization, as `GroupTensor`s (parsed
+    when packed, one at a time) by module path ("layers.0.self_attn.q_proj", "lm_head";
+    "embed_tokens" for a tied lm_head), for
     `models.options.pack_cpu_matmuls(weights="file")`. Tensors whose type has no exact kernel
     format (`gguf_blocks.GROUP_TYPES`) are left out: they stay in the load dtype."""
     from gguf import GGUFReader
@@ -170,7 +171,7 @@ def load_gguf_group_weights(path: str | Path) -> dict[str, GroupWeights]:
     cfg = gguf_config(reader)
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
     tied = not any(t.name == "output.weight" for t in reader.tensors)
-    found: dict[str, GroupWeights] = {}
+    found: dict[str, GroupTensor] = {}
     for t in reader.tensors:
         if len(t.shape) != 2:
             continue
@@ -187,7 +188,7 @@ def load_gguf_group_weights(path: str | Path) -> dict[str, GroupWeights]:
         kind = t.name.split(".")[-2]
         if cfg.architecture == "llama" and kind in heads:
             order = _unpermute_rotary(np.arange(out_features), heads[kind])
-        gw = group_weights(t.data, t.tensor_type, out_features, in_features, row_order=order)
+        gw = group_tensor(t.data, t.tensor_type, out_features, in_features, row_order=order)
         if gw is not None:
             found[name] = gw
     return found

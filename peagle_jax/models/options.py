@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from peagle_jax import kernels
-from peagle_jax.checkpoints.gguf_blocks import GroupWeights
+from peagle_jax.checkpoints.gguf_blocks import GroupTensor
 from peagle_jax.models.layers import MLP, Attention, Linear, MoE, PackedKernel
 
 KV_CACHE_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
@@ -101,7 +101,7 @@ QUANTIZED_DRAFT_WEIGHTS = ("q7", "q4")  # the draft_weights choices that quantiz
 
 
 def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16",
-                     file_weights: Mapping[str, GroupWeights] | None = None) -> nnx.Module:
+                     file_weights: Mapping[str, GroupTensor] | None = None) -> nnx.Module:
     """Route the decode-sized matmuls of a bf16 model or drafter (every Linear and the lm_head)
     through `kernels.matmul`, the row-invariant CPU custom call, by giving each a packed
     copy of its weight (in place; the bf16 weights stay for longer calls such as prefill).
@@ -177,8 +177,9 @@ def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16",
 GROUP_FORMATS = ("g4", "g8")
 
 
-def pack_group(gw: GroupWeights) -> jax.Array:
-    """A GGUF weight's blocks packed for the kernel (`kernels.pack_g4` / `pack_g8`)."""
+def pack_group(tensor: GroupTensor) -> jax.Array:
+    """A GGUF weight's blocks parsed and packed for the kernel (`kernels.pack_g4` / `pack_g8`)."""
+    gw = tensor.parse()
     if gw.format == "g4":
         return jnp.asarray(kernels.pack_g4(gw.q, gw.scale, gw.min))
     return jnp.asarray(kernels.pack_g8(gw.q, gw.scale))
@@ -200,7 +201,7 @@ DRAFT_WEIGHTS = ("auto", "native", "q7", "q4")
 
 
 def choose_matmul(module: nnx.Module, matmul: str, weights: str = "bf16",
-                  file_weights: Mapping[str, GroupWeights] | None = None) -> str:
+                  file_weights: Mapping[str, GroupTensor] | None = None) -> str:
     """Apply a `load(matmul=...)` choice: "auto" packs for the CPU kernel where it can run (and
     says why not in the log where it cannot), "cpu_kernel" requires it, "xla" never uses it.
     `weights` and `file_weights` are `pack_cpu_matmuls`'s ("q7" and "q4" for draft heads only). Returns the path taken:
