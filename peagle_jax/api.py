@@ -236,13 +236,24 @@ def _load_target(opts: Options, head_spec: str | None) -> LoadedModel:
 
     model_path = resolve_model_path(opts.model)
     device_mesh = make_mesh(opts.mesh)
-    target = load_target(model_path, dtype=opts.dtype)
+    why_not_file = "target_weights is bf16" if opts.target_weights == "bf16" else _file_weights_blocker(
+        opts, model_path, device_mesh)
+    file_weights = None
+    if why_not_file is None:
+        from peagle_jax.checkpoints.gguf_loader import load_gguf_model_with_blocks
+
+        target, file_weights = load_gguf_model_with_blocks(model_path, dtype=opts.dtype)
+        if not file_weights:
+            why_not_file = "the file holds no Q4_0 / Q4_1 / Q4_K / Q5_0 / Q6_K / Q8_0 Linear weights"
+    else:
+        target = load_target(model_path, dtype=opts.dtype)
+    if why_not_file is not None and opts.target_weights == "file":
+        raise ValueError(f"target_weights 'file' cannot serve {model_path.name}: {why_not_file}")
     tokenizer = load_tokenizer(model_path)
     if opts.experimental.fp8_weights:
         quantize_weights_fp8(target)
     attention = opts.attention
     configure_inference(target, attention=attention, kv_cache_dtype=opts.kv_cache_dtype)
-    file_weights = _file_weights(opts, model_path, target) if device_mesh is None else None
     matmul_path = "xla" if device_mesh is not None else choose_matmul(target, opts.matmul, file_weights=file_weights)
     if attention is None and matmul_path == "cpu_kernel":
         # Where the matmuls run on the CPU kernel, attention does too: the C++ kernel is
@@ -261,24 +272,19 @@ def _load_target(opts: Options, head_spec: str | None) -> LoadedModel:
     return llm.place_on(device_mesh)
 
 
-def _file_weights(opts: Options, model_path, target) -> dict | None:
-    """A quantized GGUF target's Linears in the file's own blocks for the CPU kernel
-    (`Options.target_weights`), or None where they stay bf16. Raises ValueError naming why
-    target_weights 'file' cannot be served."""
-    from peagle_jax.models.options import cpu_kernel_blocker
+def _file_weights_blocker(opts: Options, model_path, device_mesh) -> str | None:
+    """Why the target cannot keep a GGUF file's own blocks (`Options.target_weights`; None: it can)."""
+    import jax
 
-    if opts.target_weights == "bf16" or opts.matmul == "xla":
-        return None
-    why = "the model is not a GGUF file" if model_path.suffix != ".gguf" else cpu_kernel_blocker(target)
-    found = None
-    if why is None:
-        from peagle_jax.checkpoints.gguf_loader import load_gguf_group_weights
+    from peagle_jax import kernels
 
-        found = load_gguf_group_weights(model_path) or None
-        why = None if found else "the file holds no Q4_0 / Q4_1 / Q4_K / Q5_0 / Q6_K / Q8_0 Linear weights"
-    if why is not None and opts.target_weights == "file":
-        raise ValueError(f"target_weights 'file' cannot serve {model_path.name}: {why}")
-    return found
+    if model_path.suffix != ".gguf":
+        return "the model is not a GGUF file"
+    if opts.dtype != "bfloat16" or opts.matmul == "xla" or device_mesh is not None or opts.experimental.fp8_weights:
+        return "it runs on the CPU matmul kernel: dtype bfloat16, one device, matmul auto or cpu_kernel, no FP8"
+    if jax.default_backend() != "cpu":
+        return f"the backend is {jax.default_backend()}, not cpu"
+    return kernels.cpu.unavailable_reason()
 
 
 def _attach_head(llm: LoadedModel, opts: Options, head_spec: str) -> None:

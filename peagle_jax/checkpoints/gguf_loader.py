@@ -18,6 +18,7 @@ from flax import nnx
 from peagle_jax.checkpoints.gguf_blocks import GroupTensor, group_tensor
 from peagle_jax.checkpoints.params import CheckpointError, assign_params
 from peagle_jax.models.config import ModelConfig
+from peagle_jax.models.layers import Linear
 from peagle_jax.models.transformer import CausalLM
 
 _ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
@@ -117,17 +118,52 @@ def gguf_config(reader, *, dtype: str = "float32") -> ModelConfig:
 
 def load_gguf_model(path: str | Path, *, dtype: str = "float32") -> CausalLM:
     """Load and dequantize a GGUF file into a CausalLM."""
+    return _load(Path(path), dtype, keep_blocks=False)[0]
+
+
+def load_gguf_model_with_blocks(path: str | Path, *,
+                                dtype: str = "bfloat16") -> tuple[CausalLM, dict[str, GroupTensor]]:
+    """A GGUF file as a CausalLM whose Linear weights (and untied lm_head) stay in the file's own
+    blocks wherever a kernel format holds them exactly (`gguf_blocks.GROUP_TYPES`): those are
+    never dequantized, their `kernel` (and `lm_head`) is None, and the blocks come back by module
+    path ("layers.0.self_attn.q_proj", "lm_head"; "embed_tokens" for a tied lm_head, whose
+    table stays dequantized for the embedding) for `models.options.pack_cpu_matmuls`. Other
+    tensors load as `load_gguf_model` loads them."""
+    return _load(Path(path), dtype, keep_blocks=True)
+
+
+def _linear_path(name: str) -> str | None:
+    """The module path of a GGUF Linear weight ("blk.0.attn_q.weight" -> "layers.0.self_attn.q_proj",
+    "output.weight" -> "lm_head"), None for other tensors."""
+    return next((re.sub(pattern, template, name).removesuffix(".kernel")
+                 for pattern, template, transpose in _KEY_MAP if transpose and re.fullmatch(pattern, name)), None)
+
+
+def _load(path: Path, dtype: str, *, keep_blocks: bool) -> tuple[CausalLM, dict[str, GroupTensor]]:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"GGUF file not found: {path}")
     reader = GGUFReader(str(path))
     cfg = gguf_config(reader, dtype=dtype)
     permuted = cfg.architecture == "llama"
+    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
     tensors: dict[str, np.ndarray] = {}
+    blocks: dict[str, GroupTensor] = {}
     for t in reader.tensors:
+        linear = _linear_path(t.name) if keep_blocks and len(t.shape) == 2 else None
+        if keep_blocks and t.name == "token_embd.weight" and cfg.tie_word_embeddings:
+            linear = "embed_tokens"
+        if linear is not None:
+            in_features, out_features = (int(x) for x in t.shape)
+            kind = t.name.split(".")[-2]
+            order = _unpermute_rotary(np.arange(out_features), heads[kind]) if permuted and kind in heads else None
+            found = group_tensor(t.data, t.tensor_type, out_features, in_features, row_order=order)
+            if found is not None:
+                blocks[linear] = found
+                if linear != "embed_tokens":  # the tied table also embeds: it stays dequantized too
+                    continue
         arr = dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(x) for x in t.shape])))
         arr = np.asarray(arr, dtype=np.float32)
         if permuted and re.fullmatch(r"blk\.\d+\.attn_q\.(weight|bias)", t.name):
@@ -155,40 +191,20 @@ def load_gguf_model(path: str | Path, *, dtype: str = "float32") -> CausalLM:
             else:
                 tensors[t.name] = arr  # unknown: reported as unexpected, with everything else
     model = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
+    bad = []
+    for module_path, node in nnx.iter_graph(model):  # kept as blocks: no dequantized copy
+        kept = blocks.get(".".join(map(str, module_path))) if isinstance(node, Linear) else None
+        if kept is not None:
+            node.kernel = None
+            if kept.shape != (node.in_features, node.out_features):
+                bad.append(f"{'.'.join(map(str, module_path))}: checkpoint {kept.shape} vs model "
+                           f"{(node.in_features, node.out_features)}")
+    if "lm_head" in blocks:
+        model.lm_head = None
+        if blocks["lm_head"].shape != (cfg.hidden_size, cfg.vocab_size):
+            bad.append(f"lm_head: checkpoint {blocks['lm_head'].shape} vs model {(cfg.hidden_size, cfg.vocab_size)}")
+    if bad:
+        raise CheckpointError(f"{path} does not match the model: " + "; ".join(bad))
     assign_params(model, tensors, source=str(path))
-    return model
+    return model, blocks
 
-
-def load_gguf_group_weights(path: str | Path) -> dict[str, GroupTensor]:
-    """The Linear weights of a GGUF file kept in its own quantization, as `GroupTensor`s (parsed
-    when packed, one at a time) by module path ("layers.0.self_attn.q_proj", "lm_head";
-    "embed_tokens" for a tied lm_head), for
-    `models.options.pack_cpu_matmuls(weights="file")`. Tensors whose type has no exact kernel
-    format (`gguf_blocks.GROUP_TYPES`) are left out: they stay in the load dtype."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    cfg = gguf_config(reader)
-    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
-    tied = not any(t.name == "output.weight" for t in reader.tensors)
-    found: dict[str, GroupTensor] = {}
-    for t in reader.tensors:
-        if len(t.shape) != 2:
-            continue
-        in_features, out_features = (int(x) for x in t.shape)
-        if t.name == "token_embd.weight":
-            name = "embed_tokens" if tied else None
-        else:
-            name = next((re.sub(pattern, template, t.name).removesuffix(".kernel")
-                         for pattern, template, transpose in _KEY_MAP
-                         if transpose and re.fullmatch(pattern, t.name)), None)
-        if name is None:
-            continue
-        order = None
-        kind = t.name.split(".")[-2]
-        if cfg.architecture == "llama" and kind in heads:
-            order = _unpermute_rotary(np.arange(out_features), heads[kind])
-        gw = group_tensor(t.data, t.tensor_type, out_features, in_features, row_order=order)
-        if gw is not None:
-            found[name] = gw
-    return found

@@ -113,7 +113,7 @@ class Linear(nnx.Module):
     """y = x @ W (+ b), W stored [in, out] (the transpose of torch's [out, in])."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs, std: float = 0.02):
-        self.out_features = d_out
+        self.in_features, self.out_features = d_in, d_out
         # None where a GGUF file's blocks are the only copy (kernel_packed, models.options)
         self.kernel = nnx.Param(std * jax.random.normal(rngs.params(), (d_in, d_out), dtype))
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None

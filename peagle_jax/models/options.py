@@ -134,11 +134,15 @@ def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16",
     paths = {id(node): ".".join(map(str, path)) for path, node in nnx.iter_graph(module)}
 
     def packable(*linears: Linear) -> bool:
-        return all(lin.kernel.shape[1] % kernels.TILE == 0 for lin in linears)
+        return all(lin.out_features % kernels.TILE == 0 for lin in linears)
 
     def file_format(lin: Linear) -> str:  # "g4" / "g8" where the file's blocks serve it, else `weights`
         gw = file_weights.get(paths[id(lin)])
-        return weights if gw is None or gw.shape != lin.kernel.shape else gw.format
+        if gw is None or gw.shape != (lin.in_features, lin.out_features):
+            if lin.kernel is None:
+                raise ValueError(f"{paths[id(lin)]} has no weights: neither bf16 nor a GGUF file's blocks")
+            return weights
+        return gw.format
 
     def packed_one(lin: Linear):
         if file_format(lin) in GROUP_FORMATS:
@@ -160,14 +164,13 @@ def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16",
         if id(lin) not in grouped and packable(lin):
             lin.kernel_packed = packed(lin)
     if hasattr(module, "lm_head_packed"):
-        head = module.lm_head_weight()
         gw = file_weights.get("embed_tokens" if module.config.tie_word_embeddings else "lm_head")
-        if gw is not None and gw.shape == head.shape:
+        if gw is not None and gw.shape == (module.config.hidden_size, module.config.vocab_size):
             module.lm_head_packed = PackedKernel(pack_group(gw))
             if not module.config.tie_word_embeddings:
                 module.lm_head = None  # the blocks are its only copy (CausalLM.lm_head_weight)
-        elif head.shape[1] % kernels.TILE == 0:
-            module.lm_head_packed = PackedKernel(pack_head(head))
+        elif module.config.vocab_size % kernels.TILE == 0:
+            module.lm_head_packed = PackedKernel(pack_head(module.lm_head_weight()))
     for lin in linears:  # the file's blocks serve every call (prefill too): the only copy kept
         if file_format(lin) in GROUP_FORMATS:
             lin.kernel = None

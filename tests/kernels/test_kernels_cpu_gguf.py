@@ -102,14 +102,14 @@ def test_a_quantized_gguf_target_runs_on_its_own_blocks(make_tiny_hf, tmp_path, 
     from benchmarks.weights_quality import teacher_forced_logits
     from peagle_jax.api import LoadedModel
     from peagle_jax.checkpoints import load_target
-    from peagle_jax.checkpoints.gguf_loader import load_gguf_group_weights
+    from peagle_jax.checkpoints.gguf_loader import load_gguf_model_with_blocks
     from peagle_jax.drafters.ngram import NgramProposer
     from peagle_jax.models.options import choose_matmul, configure_inference
 
     hf = make_tiny_hf(arch, intermediate_size=128, num_hidden_layers=2, tie_word_embeddings=arch == "llama")
     path = tmp_path / "m.gguf"
     write_gguf(hf, path, types=_TYPES)
-    found = load_gguf_group_weights(path)
+    target, found = load_gguf_model_with_blocks(path)
     assert {k: v.format for k, v in found.items()} == {
         **{f"layers.0.{m}": "g4" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                           "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")},
@@ -118,7 +118,8 @@ def test_a_quantized_gguf_target_runs_on_its_own_blocks(make_tiny_hf, tmp_path, 
         "layers.1.self_attn.v_proj": "g8", "layers.1.mlp.down_proj": "g8",
         "embed_tokens" if arch == "llama" else "lm_head": "g8"}
 
-    target = load_target(path, dtype="bfloat16")
+    assert target.lm_head is None if arch == "qwen2" else target.embed_tokens is not None
+    assert target.layers[1].mlp.down_proj.kernel is None  # never dequantized
     assert choose_matmul(target, "auto", file_weights=found) == "cpu_kernel"
     configure_inference(target, attention="cpu")
     layer0, layer1 = target.layers[0], target.layers[1]
@@ -140,13 +141,10 @@ def test_a_quantized_gguf_target_runs_on_its_own_blocks(make_tiny_hf, tmp_path, 
 
 
 def test_target_weights_file_names_what_it_needs(tmp_path):
-    from peagle_jax.api import _file_weights
+    from peagle_jax.api import _file_weights_blocker
     from peagle_jax.options import Options
 
     with pytest.raises(ValueError, match="target_weights 'file' runs on the CPU matmul kernel"):
         Options(target_weights="file", dtype="float32")
-    folder = tmp_path / "hf"
-    folder.mkdir()
-    with pytest.raises(ValueError, match="not a GGUF file"):
-        _file_weights(Options(target_weights="file"), folder, None)
-    assert _file_weights(Options(target_weights="auto"), folder, None) is None
+    assert "not a GGUF file" in _file_weights_blocker(Options(), tmp_path / "hf", None)
+    assert "matmul auto or cpu_kernel" in _file_weights_blocker(Options(matmul="xla"), tmp_path / "m.gguf", None)
