@@ -163,14 +163,15 @@ def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16",
     for lin in linears:
         if id(lin) not in grouped and packable(lin):
             lin.kernel_packed = packed(lin)
-    if hasattr(module, "lm_head_packed"):
-        gw = file_weights.get("embed_tokens" if module.config.tie_word_embeddings else "lm_head")
-        if gw is not None and gw.shape == (module.config.hidden_size, module.config.vocab_size):
+    if hasattr(module, "lm_head_packed"):  # a target (tied or not) or a head
+        tied = getattr(module.config, "tie_word_embeddings", False)
+        gw = file_weights.get("embed_tokens" if tied else "lm_head")
+        if gw is not None:
             module.lm_head_packed = PackedKernel(pack_group(gw))
-            if not module.config.tie_word_embeddings:
+            if not tied:
                 module.lm_head = None  # the blocks are its only copy (CausalLM.lm_head_weight)
-        elif module.config.vocab_size % kernels.TILE == 0:
-            module.lm_head_packed = PackedKernel(pack_head(module.lm_head_weight()))
+        elif (head := module.lm_head_weight()).shape[1] % kernels.TILE == 0:
+            module.lm_head_packed = PackedKernel(pack_head(head))
     for lin in linears:  # the file's blocks serve every call (prefill too): the only copy kept
         if file_format(lin) in GROUP_FORMATS:
             lin.kernel = None
