@@ -234,3 +234,21 @@ def test_compile_cost_reports_every_program_at_every_depth(tmp_path, capsys):
         assert rows[2, program]["fusions"] > rows[1, program]["fusions"] > 0
     assert rows[1, "peagle"]["flops"] > rows[1, "plain"]["flops"]
     assert (tmp_path / "compile_cost.md").read_text().count("| peagle |") == 2
+
+
+@pytest.mark.slow
+def test_weights_quality_and_prefill_decode_on_the_default_model(tmp_path):
+    """The default model's Q4_1 file through both weight paths: the file's blocks score against
+    the float32 dequantized model, and both paths report prefill and decode speeds."""
+    from benchmarks import prefill_decode, weights_quality
+
+    quality = weights_quality.main(["--limit", "1", "--tokens", "8", "--out", str(tmp_path / "q")])
+    rows = {(r["target_weights"], r["domain"]): r for r in quality["results"]}
+    assert set(rows) == {(w, d) for w in ("file", "bf16") for d in ("code", "chat")}
+    assert all(r["tokens"] == 8 and 0.5 <= r["greedy_agreement"] <= 1 and r["logit_rms_error"] > 0
+               for r in rows.values())
+    speed = prefill_decode.main(["--limit", "1", "--batch-sizes", "1", "2", "--tokens", "5",
+                                 "--out", str(tmp_path / "s")])
+    assert [r["weights"] for r in speed["results"]] == ["file", "bf16"]
+    assert all(r["prefill_tok_s"] > 0 and r["decode_tok_s_b2"] > 0 for r in speed["results"])
+    assert (tmp_path / "s" / "prefill_decode.md").is_file() and (tmp_path / "q" / "weights_quality.md").is_file()
