@@ -300,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             _git_commit(folder, f"data: {llm.model_name} magpie user turns ({a.split})")
     header = {"model": llm.model_name, "model_file": llm.model_path.name, "model_sha256": file_sha256(llm.model_path),
               "python": sys.version.split()[0], "settings": {k: v for k, v in vars(a).items() if k != "commit"},
+              # the file's own blocks or bf16 (Options.target_weights): greedy answers can differ
+              "target_weights": llm.options.get("target_weights", "bf16"),
               "mix": dict(Counter(p.domain for p in prompts)),
               "command": "python -m peagle_jax.train.generate_data " + " ".join(argv or sys.argv[1:])}
 
