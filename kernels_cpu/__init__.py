@@ -42,7 +42,7 @@ TILE = 32  # output columns per packed tile (4 x 8 float32 lanes)
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv_bf16.cc", "gemv_quant.cc", "gemv_group.cc",
                                                        "attention_bf16.cc", "argmax_f32.cc"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("spans.h", "bf16.h", "amx.h", "vmath.h",  # a change rebuilds too
-                                                       "cpu_features.h"))
+                                                       "cpu_features.h", "u8_weights.h"))
 # One library per jaxlib: the FFI's API version is compiled in, and a library built against
 # another jaxlib's headers is refused at registration.
 LIBRARY = Path(__file__).parent / "_build" / f"libpeagle_cpu-jaxlib{jax.lib.__version__}.so"

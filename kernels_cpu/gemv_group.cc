@@ -36,6 +36,7 @@
 #include <vector>
 #include "bf16.h"
 #include "spans.h"
+#include "u8_weights.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -210,29 +211,7 @@ ffi::Error GemvGroup(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::Buff
   return ffi::Error::Success();
 }
 
-template <class F>
-ffi::Error GemvGroupF32(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> w,
-                        ffi::ResultBuffer<ffi::F32> y) {
-  return GemvGroup<F>(pool, x, w, y->typed_data(), nullptr);
-}
-
-template <class F>
-ffi::Error GemvGroupBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> w,
-                         ffi::ResultBuffer<ffi::BF16> y) {
-  return GemvGroup<F>(pool, x, w, nullptr, reinterpret_cast<uint16_t*>(y->typed_data()));
-}
-
 }  // namespace
 
-#define PEAGLE_GROUP_HANDLER(name, impl, out)                                            \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl,                                               \
-                                ffi::Ffi::Bind()                                          \
-                                    .Ctx<ffi::ThreadPool>()                               \
-                                    .Arg<ffi::Buffer<ffi::BF16>>()                        \
-                                    .Arg<ffi::Buffer<ffi::U8>>()                          \
-                                    .Ret<ffi::Buffer<out>>());
-
-PEAGLE_GROUP_HANDLER(peagle_gemv_g4, GemvGroupF32<G4>, ffi::F32)
-PEAGLE_GROUP_HANDLER(peagle_gemv_g4_to_bf16, GemvGroupBf16<G4>, ffi::BF16)
-PEAGLE_GROUP_HANDLER(peagle_gemv_g8, GemvGroupF32<G8>, ffi::F32)
-PEAGLE_GROUP_HANDLER(peagle_gemv_g8_to_bf16, GemvGroupBf16<G8>, ffi::BF16)
+PEAGLE_U8_WEIGHTS_HANDLERS(peagle_gemv_g4, GemvGroup<G4>)
+PEAGLE_U8_WEIGHTS_HANDLERS(peagle_gemv_g8, GemvGroup<G8>)

@@ -37,6 +37,7 @@
 #include "bf16.h"
 #include "cpu_features.h"
 #include "spans.h"
+#include "u8_weights.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -324,29 +325,7 @@ ffi::Error GemvQuant(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::Buff
   return ffi::Error::Success();
 }
 
-template <class F>
-ffi::Error GemvQuantF32(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> w,
-                        ffi::ResultBuffer<ffi::F32> y) {
-  return GemvQuant<F>(pool, x, w, y->typed_data(), nullptr);
-}
-
-template <class F>
-ffi::Error GemvQuantBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> w,
-                         ffi::ResultBuffer<ffi::BF16> y) {
-  return GemvQuant<F>(pool, x, w, nullptr, reinterpret_cast<uint16_t*>(y->typed_data()));
-}
-
 }  // namespace
 
-#define PEAGLE_QUANT_HANDLER(name, impl, out)                                            \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl,                                               \
-                                ffi::Ffi::Bind()                                          \
-                                    .Ctx<ffi::ThreadPool>()                               \
-                                    .Arg<ffi::Buffer<ffi::BF16>>()                        \
-                                    .Arg<ffi::Buffer<ffi::U8>>()                          \
-                                    .Ret<ffi::Buffer<out>>());
-
-PEAGLE_QUANT_HANDLER(peagle_gemv_q7, GemvQuantF32<Q7>, ffi::F32)
-PEAGLE_QUANT_HANDLER(peagle_gemv_q7_to_bf16, GemvQuantBf16<Q7>, ffi::BF16)
-PEAGLE_QUANT_HANDLER(peagle_gemv_q4, GemvQuantF32<Q4>, ffi::F32)
-PEAGLE_QUANT_HANDLER(peagle_gemv_q4_to_bf16, GemvQuantBf16<Q4>, ffi::BF16)
+PEAGLE_U8_WEIGHTS_HANDLERS(peagle_gemv_q7, GemvQuant<Q7>)
+PEAGLE_U8_WEIGHTS_HANDLERS(peagle_gemv_q4, GemvQuant<Q4>)

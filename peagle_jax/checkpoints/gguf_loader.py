@@ -45,6 +45,7 @@ _KEY_MAP: list[tuple[str, str, bool]] = [
     (r"blk\.(\d+)\.ffn_down\.weight", r"layers.\1.mlp.down_proj.kernel", True),
     (r"blk\.(\d+)\.ffn_gate_inp\.weight", r"layers.\1.mlp.gate.kernel", True),
 ]
+_ROTARY = re.compile(r"blk\.\d+\.(attn_[qk])\.(weight|bias)")  # the tensors llama files permute
 # Stacked experts, numpy shape [E, out, in] -> ours [E, in, out].
 _EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 
@@ -147,18 +148,20 @@ def _load(path: Path, dtype: str, *, keep_blocks: bool) -> tuple[CausalLM, dict[
         raise FileNotFoundError(f"GGUF file not found: {path}")
     reader = GGUFReader(str(path))
     cfg = gguf_config(reader, dtype=dtype)
-    permuted = cfg.architecture == "llama"
-    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
+    # llama files permute the q / k rows (module docstring): their head counts, by tensor kind
+    heads = ({"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
+             if cfg.architecture == "llama" else {})
     tensors: dict[str, np.ndarray] = {}
     blocks: dict[str, GroupTensor] = {}
     for t in reader.tensors:
+        rotary = _ROTARY.fullmatch(t.name)
+        n_heads = heads.get(rotary[1]) if rotary else None
         linear = _linear_path(t.name) if keep_blocks and len(t.shape) == 2 else None
         if keep_blocks and t.name == "token_embd.weight" and cfg.tie_word_embeddings:
             linear = "embed_tokens"
         if linear is not None:
             in_features, out_features = (int(x) for x in t.shape)
-            kind = t.name.split(".")[-2]
-            order = _unpermute_rotary(np.arange(out_features), heads[kind]) if permuted and kind in heads else None
+            order = None if n_heads is None else _unpermute_rotary(np.arange(out_features), n_heads)
             found = group_tensor(t.data, t.tensor_type, out_features, in_features, row_order=order)
             if found is not None:
                 blocks[linear] = found
@@ -166,10 +169,8 @@ def _load(path: Path, dtype: str, *, keep_blocks: bool) -> tuple[CausalLM, dict[
                     continue
         arr = dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(x) for x in t.shape])))
         arr = np.asarray(arr, dtype=np.float32)
-        if permuted and re.fullmatch(r"blk\.\d+\.attn_q\.(weight|bias)", t.name):
-            arr = _unpermute_rotary(arr, cfg.num_attention_heads)
-        elif permuted and re.fullmatch(r"blk\.\d+\.attn_k\.(weight|bias)", t.name):
-            arr = _unpermute_rotary(arr, cfg.num_key_value_heads)
+        if n_heads is not None:
+            arr = _unpermute_rotary(arr, n_heads)
         if m := _EXPERTS.fullmatch(t.name):
             tensors[f"layers.{m[1]}.mlp.{m[2]}_proj"] = np.swapaxes(arr, 1, 2)
             continue
