@@ -60,6 +60,11 @@ def pytest_configure(config):
     if fast_only and os.environ.get("PEAGLE_TEST_XLA_OPT") != "default" and "optimization_level" not in flags:
         os.environ["XLA_FLAGS"] = (flags + " --xla_backend_optimization_level=0").strip()
 
+# `jax.jit(..., compiler_options=EXECUTION_HEAVY)`: a test program whose run, not its compile,
+# is the test's cost (a statistical check over many samples) compiles at XLA:CPU's default
+# optimization level, whatever the fast suite's level above.
+EXECUTION_HEAVY = {"xla_backend_optimization_level": 3}
+
 # Small but not degenerate: GQA (4 query heads over 2 KV heads). 4 layers keep XLA compiles
 # short; pass num_hidden_layers=7 for distinct default EAGLE-3 taps (2, L//2, L-3) = (2, 3, 4).
 TINY_COMMON = dict(

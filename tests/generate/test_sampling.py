@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import slow_except
+from conftest import EXECUTION_HEAVY, slow_except
 from scipy import stats
 
 from peagle_jax import sampling as S
@@ -294,7 +294,9 @@ def _round(key, p_rows, q_rows, mode):
 def test_accept_rejection_is_exact(mode):
     p, q = _chain_dists()
     k1, k2 = jax.random.split(jax.random.key({"sampled": 7, "greedy_fixed": 8, "greedy_any": 9}[mode]))
-    run = jax.jit(_round, static_argnums=3)
+    # 200k sequences: this program's run, not its compile, is the test's cost, so it compiles
+    # at XLA:CPU's default optimization level rather than the fast suite's 0 (docs/testing.md).
+    run = jax.jit(_round, static_argnums=3, compiler_options=EXECUTION_HEAVY)
     x, (n, nxt) = run(k1, p[: K + 1], q[:K], mode)
     # Round 2 continues after a position-0 rejection: it starts at position 1 (p_1.., q_1..).
     x2, (n2, nxt2) = run(k2, p[1:], q[1:], mode)

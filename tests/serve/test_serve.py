@@ -20,7 +20,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import slow_except, tiny_target_with_real_tokenizer
+from conftest import tiny_target_with_real_tokenizer
 
 from peagle_jax.api import chat_ids
 from peagle_jax.generate import speculative_generate
@@ -202,7 +202,10 @@ def test_seed_reproducible_whatever_shares_the_batch(client):
     assert len(set(texts + [alone])) > 1  # different seeds really sample differently
 
 
-@pytest.mark.parametrize("limit", slow_except([None, 0], [0]))
+# Slow: 50-60 s of sampled rounds over a 49k vocabulary at the fast suite's optimization level;
+# the fast suite's cover is test_seed_reproducible_whatever_shares_the_batch.
+@pytest.mark.slow
+@pytest.mark.parametrize("limit", [None, 0])
 def test_seeded_chat_holds_beside_greedy_neighbours(client, limit):
     """A seeded sampled chat request gives the same text alone and beside 1, 3 and 7 greedy
     neighbours, with its drafts on or off (`num_speculative_tokens` 0): the neighbours change
@@ -232,6 +235,9 @@ def test_seeded_chat_holds_beside_greedy_neighbours(client, limit):
 # --------------------------------------------------------------------------- load
 
 
+# Slow: 16 budgets compile and run most of the server's programs (15-25 s); the fast suite's
+# cover of a growing and compacting batch is tests/serve/test_serve_buckets.py.
+@pytest.mark.slow
 def test_sixteen_concurrent_requests(models, server, client):
     tok = models[2]
     prompts = [f"Request number {i}: tell me about item {i * 7}" for i in range(16)]
@@ -397,8 +403,9 @@ _SIGTERM_SERVER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("drain,max_tokens,reason", slow_except([(60, 100, "length"), (0, 480, "abort")],
-                                                             fast={(0, 480, "abort")}))
+# Slow: a second Python process that builds and compiles its own server (30-40 s).
+@pytest.mark.slow
+@pytest.mark.parametrize("drain,max_tokens,reason", [(60, 100, "length"), (0, 480, "abort")])
 def test_sigterm_drains_then_ends_every_stream_and_exits_0(drain, max_tokens, reason):
     # Within the drain time a stream runs to its end; past it, it still ends properly: a last
     # chunk with finish_reason "abort" and [DONE], never a cut connection. Exit status 0 both ways.
