@@ -121,6 +121,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     rp.add_argument("--draft-vocab-size", type=int, default=32000, help="heads' draft vocabulary (speculators: 32k)")
     ap.add_argument("--moe", choices=("dense", "gathered", "grouped"), default="dense",
                     help="MoE evaluation: gathered reads only routed experts at small steps (layers.MoE)")
+    ap.add_argument("--layer-loop", choices=("unrolled", "scan"), default="unrolled",
+                    help="the target's layers unrolled or under one scan (models.layer_stack)")
     ap.add_argument("--attention", default=None, help="cache attention: xla | cpu | triton | mosaic | auto")
     ap.add_argument("--kv-cache-dtype", default=None, help="e.g. float8_e4m3fn")
     ap.add_argument("--fp8-weights", action="store_true", help="FP8 linear weights (experts stay in --dtype)")
@@ -128,12 +130,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _configure(module, args) -> None:
+def _configure(module, args, *, target: bool = False) -> None:
     from peagle_jax.models.options import configure_inference, quantize_weights_fp8
 
     configure_inference(module, attention=args.attention, kv_cache_dtype=args.kv_cache_dtype, moe=args.moe)
     if args.fp8_weights:
         quantize_weights_fp8(module)
+    if target:
+        configure_inference(module, layer_loop=args.layer_loop)
 
 
 def _wrong(p: int, every: int) -> bool:
@@ -216,7 +220,7 @@ def run(args) -> dict[str, Any]:
     print(f"WARNING: {label}", file=sys.stderr)
     t0 = time.perf_counter()
     target = create_model(cfg, seed=args.seed)
-    _configure(target, args)
+    _configure(target, args, target=True)
     init_s = time.perf_counter() - t0
     if args.replay:
         return run_replay(args, cfg, target, label, init_s)

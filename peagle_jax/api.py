@@ -227,6 +227,8 @@ def _check_head(opts: Options, head_spec: str | None) -> None:
 
 def _load_target(opts: Options, head_spec: str | None) -> LoadedModel:
     """The target and tokenizer, with the kernel / FP8 options, placed on the mesh."""
+    import jax
+
     from peagle_jax.checkpoints import load_target
     from peagle_jax.checkpoints.default_model import DEFAULT_MODEL_NAME, resolve_model_path
     from peagle_jax.checkpoints.known_models import known_model
@@ -260,12 +262,17 @@ def _load_target(opts: Options, head_spec: str | None) -> LoadedModel:
         # row-invariant like them and costs a fraction of XLA's blockwise loop.
         attention = "cpu"
         configure_inference(target, attention=attention)
+    layer_loop = opts.layer_loop
+    if layer_loop == "auto":
+        layer_loop = "unrolled" if jax.default_backend() == "cpu" or device_mesh is not None else "scan"
+    configure_inference(target, layer_loop=layer_loop)
     named = None if opts.model is None else known_model(opts.model)
     name = opts.served_model_name or (DEFAULT_MODEL_NAME if is_default_model(opts.model) else named.name if named
                                       else model_path.stem if model_path.is_file() else model_path.name)
     llm = LoadedModel(target=target, tokenizer=tokenizer, eos_ids=eos_token_ids(tokenizer, model_path),
                       drafter=None, method="none", model_path=model_path, model_name=name, drafter_path=head_spec,
                       options=dict(dtype=opts.dtype, attention=attention, kv_cache_dtype=opts.kv_cache_dtype,
+                                   layer_loop=layer_loop,
                                    matmul=matmul_path, draft_weights=opts.draft_weights,
                                    target_weights="file" if file_weights and matmul_path == "cpu_kernel" else "bf16"),
                       draft_weights_request=opts.draft_weights, settings=opts)

@@ -7,12 +7,17 @@ positions (scatter; rows past the capacity are dropped) and attends causally by 
 a committed length per sequence is the only bookkeeping: rows above it (rejected drafts,
 placeholder slots, prompt padding) are dead and get overwritten by the next step's writes
 before any query can read them.
+
+A target whose layers run under a scan (`models.layer_stack`) keeps one `StackedKV` instead of
+the per-layer tuple, [B, L, KVH, S, D], and each scan step reads and writes its layer through
+a `LayerSlot`.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
@@ -34,21 +39,82 @@ class LayerKV(NamedTuple):
     def write(self, k_rows: Float[Array, "B T KVH D"], v_rows: Float[Array, "B T KVH D"],
               positions: Int[Array, "B T"]) -> LayerKV:
         """Write new rows at their positions, quantizing on write for an FP8 cache."""
-        if not self.is_fp8:
-            return LayerKV(write_rows(self.k, k_rows, positions), write_rows(self.v, v_rows, positions))
-        ks, vs = compute_scale(k_rows), compute_scale(v_rows)  # per token and head: [B, T, KVH, 1]
-        return LayerKV(
-            write_rows(self.k, quantize_with_scale(k_rows, ks), positions),
-            write_rows(self.v, quantize_with_scale(v_rows, vs), positions),
-            write_rows(self.k_scale, ks, positions),
-            write_rows(self.v_scale, vs, positions),
-        )
+        return LayerKV(*_write_layer(self, k_rows, v_rows, lambda a, rows: write_rows(a, rows, positions)))
+
+
+def _write_layer(kv, k_rows, v_rows, write) -> tuple:
+    """(k, v, k_scale, v_scale) of `kv` with `write(array, rows)` applied to each, the rows
+    quantized with per-token scales first where the cache is FP8."""
+    if not kv.is_fp8:
+        return write(kv.k, k_rows), write(kv.v, v_rows)
+    ks, vs = compute_scale(k_rows), compute_scale(v_rows)  # per token and head: [B, T, KVH, 1]
+    return (write(kv.k, quantize_with_scale(k_rows, ks)), write(kv.v, quantize_with_scale(v_rows, vs)),
+            write(kv.k_scale, ks), write(kv.v_scale, vs))
+
+
+class StackedKV(NamedTuple):
+    """Every layer's K/V in one array per field, [B, L, KVH, S, D]: the cache of a target whose
+    layers run under a scan (`models.layer_stack`). The batch stays the leading axis, so the
+    per-sequence operations (insert, take, finish) treat it as they treat the per-layer tuple."""
+
+    k: Float[Array, "B L KVH S D"]
+    v: Float[Array, "B L KVH S D"]
+    k_scale: Float[Array, "B L KVH S 1"] | None = None
+    v_scale: Float[Array, "B L KVH S 1"] | None = None
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.k_scale is not None
+
+    def at_layer(self, index: Int[Array, ""]) -> LayerSlot:
+        return LayerSlot(self, index)
+
+
+class LayerSlot(NamedTuple):
+    """Layer `index` of a StackedKV as attention sees a LayerKV: a read slices the layer out,
+    a write scatters only the new rows into the stack (in place inside the scan's carry)."""
+
+    stack: StackedKV
+    index: Int[Array, ""]
+
+    def _layer(self, a):
+        return None if a is None else jax.lax.dynamic_index_in_dim(a, self.index, axis=1, keepdims=False)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.stack.is_fp8
+
+    @property
+    def k(self) -> Float[Array, "B KVH S D"]:
+        return self._layer(self.stack.k)
+
+    @property
+    def v(self) -> Float[Array, "B KVH S D"]:
+        return self._layer(self.stack.v)
+
+    @property
+    def k_scale(self) -> Float[Array, "B KVH S 1"] | None:
+        return self._layer(self.stack.k_scale)
+
+    @property
+    def v_scale(self) -> Float[Array, "B KVH S 1"] | None:
+        return self._layer(self.stack.v_scale)
+
+    def write(self, k_rows: Float[Array, "B T KVH D"], v_rows: Float[Array, "B T KVH D"],
+              positions: Int[Array, "B T"]) -> LayerSlot:
+        """Write new rows at their positions in this layer of the stack."""
+        b = jnp.arange(k_rows.shape[0])[:, None]
+
+        def write(stack, rows):  # advanced indices split by a slice: the view is [B, T, KVH, D]
+            return stack.at[b, self.index, :, positions].set(rows.astype(stack.dtype), mode="drop")
+
+        return LayerSlot(StackedKV(*_write_layer(self.stack, k_rows, v_rows, write)), self.index)
 
 
 class KVCache(NamedTuple):
     """Per-layer K/V plus the committed length of each sequence."""
 
-    layers: tuple[LayerKV, ...]
+    layers: tuple[LayerKV, ...] | StackedKV
     lengths: Int[Array, " B"]
 
     @property
@@ -57,7 +123,21 @@ class KVCache(NamedTuple):
 
     @property
     def capacity(self) -> int:
-        return self.layers[0].k.shape[2]
+        return self.layer_arrays()[0].shape[-2]
+
+    @property
+    def is_stacked(self) -> bool:
+        return isinstance(self.layers, StackedKV)
+
+    def layer_arrays(self) -> list[jax.Array]:
+        """Every K/V array (and FP8 scale), per layer or stacked: [B, (L,) KVH, S, D]."""
+        groups = [self.layers] if self.is_stacked else self.layers
+        return [a for layer in groups for a in layer if a is not None]
+
+    def map_layers(self, fn) -> KVCache:
+        """The cache with `fn` applied to every K/V array and scale (axes [B, (L,) KVH, S, D])."""
+        apply = lambda group: type(group)(*(None if a is None else fn(a) for a in group))
+        return self._replace(layers=apply(self.layers) if self.is_stacked else tuple(map(apply, self.layers)))
 
     @classmethod
     def zeros(
@@ -68,18 +148,23 @@ class KVCache(NamedTuple):
         num_kv_heads: int,
         head_dim: int,
         dtype=jnp.float32,
+        *,
+        stacked: bool = False,
     ) -> KVCache:
-        shape = (batch_size, num_kv_heads, capacity, head_dim)
+        """An empty cache: a tuple of per-layer LayerKV, or one StackedKV where `stacked` (a
+        target whose layers run under a scan)."""
+        kind, lead = (StackedKV, (batch_size, num_layers)) if stacked else (LayerKV, (batch_size,))
+        shape = lead + (num_kv_heads, capacity, head_dim)
         dtype = jnp.dtype(dtype)
         if dtype == jnp.float8_e4m3fn:
-            scale_shape = shape[:3] + (1,)  # per (sequence, head, position)
-            make = lambda: LayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
-                                   jnp.zeros(scale_shape, jnp.float32), jnp.zeros(scale_shape, jnp.float32))
+            scale_shape = shape[:-1] + (1,)  # per (sequence, head, position)
+            make = lambda: kind(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                                jnp.zeros(scale_shape, jnp.float32), jnp.zeros(scale_shape, jnp.float32))
         elif jnp.issubdtype(dtype, jnp.floating):
-            make = lambda: LayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+            make = lambda: kind(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
         else:
             raise ValueError(f"unsupported KV cache dtype {dtype}; use float32, bfloat16 or float8_e4m3fn")
-        layers = tuple(make() for _ in range(num_layers))
+        layers = make() if stacked else tuple(make() for _ in range(num_layers))
         return cls(layers=layers, lengths=jnp.zeros((batch_size,), jnp.int32))
 
     def with_lengths(self, lengths: Int[Array, " B"]) -> KVCache:
@@ -121,7 +206,9 @@ def shard_cache(cache: KVCache, mesh) -> KVCache:
         return cache
     from peagle_jax.sharding import cache_spec, constrain
 
-    b, kvh, _, _ = cache.layers[0].k.shape
-    spec = cache_spec(b, kvh, mesh)
-    layers = tuple(LayerKV(*(None if a is None else constrain(a, spec, mesh) for a in layer)) for layer in cache.layers)
-    return cache._replace(layers=layers, lengths=constrain(cache.lengths, type(spec)(spec[0]), mesh))
+    first = cache.layer_arrays()[0]
+    spec = cache_spec(first.shape[0], first.shape[-3], mesh)
+    if cache.is_stacked:  # the layer axis is never split
+        spec = type(spec)(spec[0], None, *spec[1:])
+    cache = cache.map_layers(lambda a: constrain(a, spec, mesh))
+    return cache._replace(lengths=constrain(cache.lengths, type(spec)(spec[0]), mesh))

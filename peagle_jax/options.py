@@ -83,6 +83,10 @@ class Options(BaseModel):
         None, description="KV cache dtype (default: the model dtype)")
     matmul: Literal["auto", "xla", "cpu_kernel"] = Field(
         "auto", description="decode-sized matmuls: auto takes the row-invariant CPU kernel for bf16 on one CPU")
+    layer_loop: Literal["auto", "unrolled", "scan"] = Field(
+        "auto", description="the target's decoder layers: scan runs them under one lax.scan over stacked weights "
+        "(compile time independent of depth), unrolled as a loop in the program (faster on XLA:CPU); auto: "
+        "unrolled on CPU or a mesh, scan elsewhere")
     served_model_name: str | None = Field(None, description="the model id reported and accepted (default: "
                                           "derived from the model)")
     experimental: Experimental = Field(default_factory=Experimental)
@@ -166,6 +170,9 @@ class Options(BaseModel):
                              f"matmul {self.matmul!r}, mesh {self.mesh!r}")
         if self.matmul == "cpu_kernel" and self.mesh is not None:
             raise ValueError("matmul 'cpu_kernel' serves one unsharded CPU device; drop mesh or use matmul 'auto'")
+        if self.layer_loop == "scan" and self.mesh is not None:
+            raise ValueError("layer_loop 'scan' does not run on a mesh yet (the sharding rules name per-layer "
+                             "parameters); drop mesh or use layer_loop 'unrolled'")
         return self
 
     def replace(self, **changes: Any) -> Options:

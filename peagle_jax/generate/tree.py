@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
 
-from peagle_jax.cache import KVCache, LayerKV
+from peagle_jax.cache import KVCache
 from peagle_jax.kernels import KEY_BLOCK, cache_attention
 
 #: The second chain's rows start a multiple of this many rows after the root (see above).
@@ -102,14 +102,11 @@ def move_second_chain(cache: KVCache, lengths: Int[Array, " B"], main_width: int
     dst = jnp.where(j < count[:, None], lengths[:, None] + 1 + j, cache.capacity)  # past the end: dropped
     b = jnp.arange(lengths.shape[0])[:, None]
 
-    def move(x):
-        if x is None:
-            return None
-        rows = x[b, :, src]  # [B, W, KVH, D]: advanced indices split by a slice come first
-        return x.at[b, :, dst].set(rows, mode="drop")
+    def move(x):  # [B, (L,) KVH, S, D]
+        rows = x[b, ..., src, :]  # [B, W, (L,) KVH, D]: advanced indices split by a slice come first
+        return x.at[b, ..., dst, :].set(rows, mode="drop")
 
-    layers = tuple(LayerKV(*(move(x) for x in layer)) for layer in cache.layers)
-    return cache._replace(layers=layers)
+    return cache.map_layers(move)
 
 
 def second_chain_mismatches(seed: int = 7, batch: int = 256, width: int = 7, implementation: str = "xla") -> int:

@@ -13,7 +13,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from peagle_jax import kernels
-from peagle_jax.cache import LayerKV
+from peagle_jax.cache import LayerKV, LayerSlot
 
 
 class RMSNorm(nnx.Module):
@@ -237,14 +237,15 @@ class Attention(nnx.Module):
         return apply_rope(q, angles), apply_rope(k, angles), v
 
     def __call__(
-        self, x: Float[Array, "B T Din"], positions: Int[Array, "B T"], kv: LayerKV,
+        self, x: Float[Array, "B T Din"], positions: Int[Array, "B T"], kv: LayerKV | LayerSlot,
         slots: Int[Array, "B T"] | None = None, skip: tuple[Int[Array, "B T"], Int[Array, "B T"]] | None = None,
         angles: RotaryAngles | None = None,
-    ) -> tuple[Float[Array, "B T D"], LayerKV]:
+    ) -> tuple[Float[Array, "B T D"], LayerKV | LayerSlot]:
         """`positions` rotate q and k (`angles`: their rotary angles, if computed already);
         `slots` (default: the positions) are the cache rows the new K/V go to and each query's
         causal limit, and `skip` hides a window of rows per query: a tree verify's second chain
-        shares its positions with the first but not its rows."""
+        shares its positions with the first but not its rows. `kv` is this layer's cache, or its
+        slot in a stacked cache under a scan (`models.layer_stack`), which reads and writes alike."""
         b, t, _ = x.shape
         q, k, v = self.project_qkv(x, positions, angles)
         slots = positions if slots is None else slots

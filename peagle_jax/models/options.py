@@ -19,6 +19,7 @@ from flax import nnx
 
 from peagle_jax import kernels
 from peagle_jax.checkpoints.gguf_blocks import GroupTensor
+from peagle_jax.models.layer_stack import LAYER_LOOPS, stack_layers, unstack_layers
 from peagle_jax.models.layers import MLP, Attention, Linear, MoE, PackedKernel
 
 KV_CACHE_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
@@ -35,16 +36,23 @@ def configure_inference(
     interpret: bool = False,
     kv_cache_dtype: str | None = None,
     moe: str | None = None,
+    layer_loop: str | None = None,
 ) -> nnx.Module:
     """Pick the cache-attention implementation ("xla" | "cpu" | "triton" | "mosaic" | "auto"), the KV
-    cache dtype and the MoE evaluation ("dense" | "gathered" | "grouped", see `layers.MoE`) of a target
-    model or drafter (in place). An option left None keeps its current setting."""
+    cache dtype, the MoE evaluation ("dense" | "gathered" | "grouped", see `layers.MoE`) and, for a
+    target, how its layers run ("unrolled" | "scan", see `layer_stack`) of a target model or
+    drafter (in place). An option left None keeps its current setting. Stack the layers after
+    packing the CPU kernel's weights (`choose_matmul`), which works on per-layer modules."""
     if attention is not None and attention not in kernels.IMPLEMENTATIONS:
         raise ValueError(f"unknown attention implementation {attention!r}; known: {kernels.IMPLEMENTATIONS}")
     if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown KV cache dtype {kv_cache_dtype!r}; known: {KV_CACHE_DTYPES}")
     if moe is not None and moe not in MoE.IMPLS:
         raise ValueError(f"unknown MoE implementation {moe!r}; known: {MoE.IMPLS}")
+    if layer_loop is not None and layer_loop not in LAYER_LOOPS:
+        raise ValueError(f"unknown layer loop {layer_loop!r}; known: {LAYER_LOOPS}")
+    if layer_loop is not None and not hasattr(module, "layer_stack"):
+        raise ValueError(f"layer_loop applies to a target model, not a {type(module).__name__}")
     for _, node in nnx.iter_graph(module):
         if isinstance(node, Attention) and attention is not None:
             node.attn_impl = attention
@@ -53,6 +61,10 @@ def configure_inference(
             node.impl = moe
     if kv_cache_dtype is not None:
         module.kv_cache_dtype = kv_cache_dtype
+    if layer_loop == "scan":
+        stack_layers(module)
+    elif layer_loop == "unrolled":
+        unstack_layers(module)
     return module
 
 

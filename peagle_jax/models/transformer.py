@@ -1,8 +1,9 @@
 """Decoder-only causal LM (llama, qwen2, qwen3, qwen3_moe) as one Flax NNX module.
 
 The families differ only in switches of `ModelConfig`: q/k/v biases (qwen2), q/k RMSNorm
-(qwen3), routed experts (qwen3_moe), rope scaling (llama3). Layers are unrolled (a Python
-loop inside jit): on XLA CPU that ran ~30% faster than `lax.scan` with the cache as carry.
+(qwen3), routed experts (qwen3_moe), rope scaling (llama3). Layers run unrolled (a Python
+loop inside jit, the fastest on XLA:CPU) or, once `models.layer_stack.stack_layers` has stacked
+them, under one `lax.scan` (a compile time that does not grow with depth).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from jaxtyping import Array, Float, Int
 from peagle_jax import kernels
 from peagle_jax.cache import KVCache, shard_cache
 from peagle_jax.models.config import ModelConfig
+from peagle_jax.models.layer_stack import run_stacked
 from peagle_jax.models.layers import MLP, Attention, MoE, RMSNorm, packed_matmul
 
 
@@ -65,6 +67,7 @@ class CausalLM(nnx.Module):
         dtype = jnp.dtype(cfg.dtype)
         self.embed_tokens = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
         self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        self.layer_stack = nnx.data(None)  # the layers stacked for a scan (models.layer_stack); then `layers` is empty
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         if cfg.tie_word_embeddings:
             self.lm_head = None
@@ -74,7 +77,8 @@ class CausalLM(nnx.Module):
     def init_cache(self, batch_size: int, capacity: int, dtype=None) -> KVCache:
         cfg = self.config
         cache = KVCache.zeros(cfg.num_hidden_layers, batch_size, capacity, cfg.num_key_value_heads,
-                              cfg.head_dim, dtype or self.kv_cache_dtype or cfg.dtype)
+                              cfg.head_dim, dtype or self.kv_cache_dtype or cfg.dtype,
+                              stacked=self.layer_stack is not None)
         return shard_cache(cache, self.mesh)
 
     def embed(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
@@ -110,30 +114,35 @@ class CausalLM(nnx.Module):
         out a tree verify (`generate.tree`): the cache rows the K/V go to, when not the
         positions, and the window of rows each query row does not see.
         """
-        aux_ids = set(self.config.eagle_aux_layer_ids) if return_aux else set()
+        aux_ids = tuple(self.config.eagle_aux_layer_ids) if return_aux else ()
         x = self.embed(tokens)
-        taps: dict[int, jax.Array] = {}
-        new_layers = []
-        angles = self.layers[0].self_attn.rotary(positions)  # every layer rotates alike
-        for i, layer in enumerate(self.layers):
-            if i in aux_ids:
-                taps[i] = x  # residual stream entering layer i
-            x, kv = layer(x, positions, cache.layers[i], slots, skip, angles)
-            new_layers.append(kv)
+        if self.layer_stack is not None:
+            angles = self.layer_stack.self_attn.rotary(positions)
+            x, stack, tapped = run_stacked(self.layer_stack, x, positions, cache.layers, slots, skip, angles, aux_ids)
+            cache, taps = cache._replace(layers=stack), dict(zip(aux_ids, tapped, strict=True))
+        else:
+            x, cache, taps = self._run_unrolled(x, positions, cache, slots, skip, aux_ids)
         h = self.norm(x)
         logits = None
         if compute_logits:
             sel = h if logit_rows is None else jnp.take_along_axis(h, logit_rows[..., None], axis=1)
             logits = self.logits(sel)
-        aux = None
-        if return_aux:
-            aux = jnp.concatenate([taps[i] for i in self.config.eagle_aux_layer_ids], axis=-1)
-        return ForwardOutput(
-            logits=logits,
-            cache=cache._replace(layers=tuple(new_layers)),
-            aux_hidden=aux,
-            final_hidden=h if return_final_hidden else None,
-        )
+        aux = jnp.concatenate([taps[i] for i in aux_ids], axis=-1) if return_aux else None
+        return ForwardOutput(logits=logits, cache=cache, aux_hidden=aux,
+                             final_hidden=h if return_final_hidden else None)
+
+    def _run_unrolled(self, x, positions, cache: KVCache, slots, skip, aux_ids: tuple[int, ...]):
+        """x through the layers one by one: (x, the cache with their new rows, {i: the residual
+        stream entering layer i} for i in `aux_ids`)."""
+        taps: dict[int, jax.Array] = {}
+        new_layers = []
+        angles = self.layers[0].self_attn.rotary(positions)  # every layer rotates alike
+        for i, layer in enumerate(self.layers):
+            if i in aux_ids:
+                taps[i] = x
+            x, kv = layer(x, positions, cache.layers[i], slots, skip, angles)
+            new_layers.append(kv)
+        return x, cache._replace(layers=tuple(new_layers)), taps
 
 
 def create_model(cfg: ModelConfig, seed: int = 0) -> CausalLM:

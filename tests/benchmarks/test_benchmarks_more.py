@@ -236,6 +236,16 @@ def test_compile_cost_reports_every_program_at_every_depth(tmp_path, capsys):
     assert (tmp_path / "compile_cost.md").read_text().count("| peagle |") == 2
 
 
+def test_compile_cost_of_a_scanned_target_does_not_grow_with_depth(tmp_path):
+    from benchmarks import compile_cost
+
+    summary = compile_cost.main(["--shape", "tiny-moe", "--layers", "2", "4", "--programs", "plain",
+                                 "--layer-loop", "scan", "--moe", "grouped", "--context", "64", "--out", str(tmp_path)])
+    two, four = summary["rows"]  # (one layer would be a loop XLA removes)
+    assert two["hlo_ops"] == four["hlo_ops"] > 0 and two["fusions"] == four["fusions"]
+    assert "loop body counted once" in (tmp_path / "compile_cost.md").read_text()
+
+
 @pytest.mark.slow
 def test_weights_quality_and_prefill_decode_on_the_default_model(tmp_path):
     """The default model's Q4_1 file through both weight paths: the file's blocks score against
