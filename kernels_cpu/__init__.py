@@ -14,6 +14,9 @@ speculation needs.
 over its visible keys (`attention_bf16.cc`): a row's result depends on nothing else in the call,
 so a decode step, a verify and a tree verify's second chain give a row the same bits.
 
+Given `layer=`, `matmul` and `cache_attention` read one layer of stacked operands in place
+(`layer_view.h`): a target whose layers run under a scan (`peagle_jax/models/layer_stack.py`).
+
 `argmax(logits)` is a row argmax over float32 logits (`argmax_f32.cc`): the greedy token of
 every decode step and verify row, a few microseconds where XLA:CPU took ~110 us a 49k row.
 
@@ -42,7 +45,7 @@ TILE = 32  # output columns per packed tile (4 x 8 float32 lanes)
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv_bf16.cc", "gemv_quant.cc", "gemv_group.cc",
                                                        "attention_bf16.cc", "argmax_f32.cc"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("spans.h", "bf16.h", "amx.h", "vmath.h",  # a change rebuilds too
-                                                       "cpu_features.h", "u8_weights.h"))
+                                                       "cpu_features.h", "u8_weights.h", "layer_view.h"))
 # One library per jaxlib: the FFI's API version is compiled in, and a library built against
 # another jaxlib's headers is refused at registration.
 LIBRARY = Path(__file__).parent / "_build" / f"libpeagle_cpu-jaxlib{jax.lib.__version__}.so"
@@ -117,6 +120,15 @@ def build(force: bool = False) -> Path:
     return LIBRARY
 
 
+def _layer_target(name: str) -> str:
+    """The custom call that reads one layer of stacked operands [L, ...] in place (layer_view.h):
+    peagle_gemv_bf16 -> peagle_gemv_bf16_layer, peagle_gemv_g4_to_bf16 -> peagle_gemv_g4_layer_to_bf16."""
+    head, sep, tail = name.partition("_to_bf16")
+    if name == ATTENTION_TARGET:
+        return "peagle_cache_attention_layer_bf16"
+    return f"{head}_layer{sep}{tail}"
+
+
 @functools.cache
 def unavailable_reason() -> str | None:
     """Why the custom call cannot run here (None: it is built, loaded and registered).
@@ -130,7 +142,10 @@ def unavailable_reason() -> str | None:
     except (RuntimeError, OSError) as e:
         return str(e)
     try:
-        for name, fn in ((TARGET_NAME, lib.peagle_gemv_bf16), (TARGET_BF16_OUT, lib.peagle_gemv_bf16_to_bf16),
+        layered = [(_layer_target(t), getattr(lib, _layer_target(t)))
+                   for t in (TARGET_NAME, TARGET_BF16_OUT, GLU_TARGET, ATTENTION_TARGET, Q7_TARGET, Q7_BF16_OUT,
+                             Q4_TARGET, Q4_BF16_OUT, G4_TARGET, G4_BF16_OUT, G8_TARGET, G8_BF16_OUT)]
+        for name, fn in (*layered, (TARGET_NAME, lib.peagle_gemv_bf16), (TARGET_BF16_OUT, lib.peagle_gemv_bf16_to_bf16),
                          (ATTENTION_TARGET, lib.peagle_cache_attention_bf16), (Q7_TARGET, lib.peagle_gemv_q7),
                          (Q7_BF16_OUT, lib.peagle_gemv_q7_to_bf16), (Q4_TARGET, lib.peagle_gemv_q4),
                          (Q4_BF16_OUT, lib.peagle_gemv_q4_to_bf16), (ARGMAX_TARGET, lib.peagle_argmax_f32),
@@ -292,8 +307,9 @@ def unpack_group(packed: UInt8[Array, "T G R"]) -> Float[Array, "I O"]:
 _GROUP_BYTES = {G4_RECORD: G4_GROUP * TILE // 2, G8_RECORD: G8_GROUP * TILE}  # a record's weight bytes
 
 
-def matmul(x: BFloat16[Array, "*lead I"], packed: BFloat16[Array, "T J 64"] | UInt8[Array, "T S _"],
-           out_dtype=jnp.float32, *, glu: bool = False) -> Float[Array, "*lead O"]:
+def matmul(x: BFloat16[Array, "*lead I"],
+           packed: BFloat16[Array, "*L T J 64"] | UInt8[Array, "*L T S _"],
+           out_dtype=jnp.float32, *, glu: bool = False, layer: Int[Array, ""] | None = None) -> Float[Array, "*lead O"]:
     """x @ w summed in float32, w given as `pack(w)`, `pack_q7(w)` or `pack_q4(w)` (bytes 64 or 32
     wide); any number of leading
     rows. With out_dtype bfloat16 the kernel rounds the sums itself (to nearest even, the bits
@@ -301,7 +317,15 @@ def matmul(x: BFloat16[Array, "*lead I"], packed: BFloat16[Array, "T J 64"] | UI
 
     `glu=True` (bf16 weights and result): x is [..., 2I], a SwiGLU MLP's gate and up outputs
     side by side, and the product is taken of bf16(SiLU(gate) * up) (SiLU rounded to bf16 as
-    `jax.nn.silu` in bf16 is, then the product), computed while the rows are prepared."""
+    `jax.nn.silu` in bf16 is, then the product), computed while the rows are prepared.
+
+    `layer`: `packed` is a stack of L packings [L, ...] (a scanned target's, models/layer_stack.py)
+    and the call reads layer `layer` of it in place."""
+    stacked = layer is not None
+    if stacked != (packed.ndim == 4):
+        raise ValueError(f"kernels_cpu.matmul: stacked weights [L, ...] go with a layer index and single ones "
+                         f"without; got weights {packed.shape} and layer {layer!r}")
+    one = packed.shape[1:] if stacked else packed.shape  # one layer's packing
     lead, i = x.shape[:-1], x.shape[-1]
     rows = 1
     for d in lead:
@@ -309,27 +333,29 @@ def matmul(x: BFloat16[Array, "*lead I"], packed: BFloat16[Array, "T J 64"] | UI
     bf16_out = jnp.dtype(out_dtype) == jnp.bfloat16
     if not bf16_out and jnp.dtype(out_dtype) != jnp.float32:
         raise ValueError(f"kernels_cpu.matmul: out_dtype must be float32 or bfloat16, got {out_dtype}")
-    shape = jax.ShapeDtypeStruct((rows, packed.shape[0] * TILE), jnp.bfloat16 if bf16_out else jnp.float32)
+    shape = jax.ShapeDtypeStruct((rows, one[0] * TILE), jnp.bfloat16 if bf16_out else jnp.float32)
     if glu:
         if packed.dtype == jnp.uint8 or not bf16_out or i % 2:
             raise ValueError("kernels_cpu.matmul(glu=True): bf16-packed weights, a bfloat16 result and an even "
                              f"input width (gate | up) only; got {packed.dtype} weights, {jnp.dtype(out_dtype)}, "
                              f"width {i}")
         target = GLU_TARGET
-    elif packed.dtype == jnp.uint8 and packed.shape[-1] in (G4_RECORD, G8_RECORD):
-        g4 = packed.shape[-1] == G4_RECORD
-        if i != packed.shape[1] * (G4_GROUP if g4 else G8_GROUP):
-            raise ValueError(f"kernels_cpu.matmul: {i} inputs do not match group-packed weights {packed.shape}")
+    elif packed.dtype == jnp.uint8 and one[-1] in (G4_RECORD, G8_RECORD):
+        g4 = one[-1] == G4_RECORD
+        if i != one[1] * (G4_GROUP if g4 else G8_GROUP):
+            raise ValueError(f"kernels_cpu.matmul: {i} inputs do not match group-packed weights {one}")
         target = (G4_BF16_OUT if bf16_out else G4_TARGET) if g4 else (G8_BF16_OUT if bf16_out else G8_TARGET)
-    elif packed.dtype == jnp.uint8 and packed.shape[-1] == TILE:
+    elif packed.dtype == jnp.uint8 and one[-1] == TILE:
         target = Q4_BF16_OUT if bf16_out else Q4_TARGET
     elif packed.dtype == jnp.uint8:
         target = Q7_BF16_OUT if bf16_out else Q7_TARGET
     else:
         target = TARGET_BF16_OUT if bf16_out else TARGET_NAME
-    out = jax.ffi.ffi_call(target, shape)(
-        x.reshape(rows, i).astype(jnp.bfloat16), packed)
-    return out.reshape(*lead, packed.shape[0] * TILE)
+    operands = (x.reshape(rows, i).astype(jnp.bfloat16), packed)
+    if stacked:
+        target, operands = _layer_target(target), (*operands, jnp.asarray(layer, jnp.int32))
+    out = jax.ffi.ffi_call(target, shape)(*operands)
+    return out.reshape(*lead, one[0] * TILE)
 
 
 def argmax(logits: Float[Array, "*lead V"]) -> Int[Array, "*lead"]:
@@ -347,24 +373,32 @@ def argmax(logits: Float[Array, "*lead V"]) -> Int[Array, "*lead"]:
 
 def cache_attention(
     q: BFloat16[Array, "B T H D"],
-    k_cache: BFloat16[Array, "B KVH S D"],
-    v_cache: BFloat16[Array, "B KVH S D"],
+    k_cache: BFloat16[Array, "B *L KVH S D"],
+    v_cache: BFloat16[Array, "B *L KVH S D"],
     q_positions: Int[Array, "B T"],
     *,
     sm_scale: float | None = None,
     skip_lo: Int[Array, "B T"] | None = None,
     skip_hi: Int[Array, "B T"] | None = None,
+    layer: Int[Array, ""] | None = None,
 ) -> BFloat16[Array, "B T H D"]:
     """Query row (b, t) attends to cache rows s <= q_positions[b, t] outside [skip_lo, skip_hi)
     (the layout and mask of `kernels_pallas.cache_attention`), softmax in float32; bf16 in and out.
     Each row sums over its own visible keys in increasing position, whatever shares the call
-    (attention_bf16.cc), so its bits do not depend on the row count."""
+    (attention_bf16.cc), so its bits do not depend on the row count.
+
+    `layer`: the caches are a scanned target's stacks [B, L, KVH, S, D] (`cache.StackedKV`),
+    read at layer `layer` in place."""
+    if (layer is not None) != (k_cache.ndim == 5):
+        raise ValueError(f"kernels_cpu.cache_attention: stacked caches [B, L, KVH, S, D] go with a layer index and "
+                         f"single ones without; got {k_cache.shape} and layer {layer!r}")
     b, t, h, d = q.shape
+    kv_heads = k_cache.shape[-3]
     if k_cache.dtype != jnp.bfloat16 or v_cache.dtype != jnp.bfloat16:
         raise ValueError(f"kernels_cpu.cache_attention: bf16 caches only, got {k_cache.dtype} / {v_cache.dtype}")
-    if d % 8 or d > 256 or h % k_cache.shape[1]:
+    if d % 8 or d > 256 or h % kv_heads:
         raise ValueError(f"kernels_cpu.cache_attention: head_dim {d} must be a multiple of 8 up to 256, and the "
-                         f"{h} query heads a multiple of the {k_cache.shape[1]} kv heads")
+                         f"{h} query heads a multiple of the {kv_heads} kv heads")
     if (why := unavailable_reason()) is not None:  # builds and registers the library on first use
         raise RuntimeError(f"kernels_cpu.cache_attention cannot run here: {why}")
     if sm_scale is None:
@@ -373,7 +407,11 @@ def cache_attention(
         raise ValueError("skip_lo and skip_hi go together: pass both or neither")
     if skip_lo is None:
         skip_lo = skip_hi = jnp.zeros((b, t), jnp.int32)
-    out = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16))(
-        q.astype(jnp.bfloat16), k_cache, v_cache, q_positions.astype(jnp.int32), skip_lo.astype(jnp.int32),
-        skip_hi.astype(jnp.int32), scale=np.float32(sm_scale))
+    operands = (q.astype(jnp.bfloat16), k_cache, v_cache, q_positions.astype(jnp.int32), skip_lo.astype(jnp.int32),
+                skip_hi.astype(jnp.int32))
+    target = ATTENTION_TARGET
+    if layer is not None:
+        target, operands = _layer_target(target), (*operands, jnp.asarray(layer, jnp.int32))
+    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16))(*operands,
+                                                                                    scale=np.float32(sm_scale))
     return out.astype(q.dtype)

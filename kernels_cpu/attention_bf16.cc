@@ -60,6 +60,12 @@ struct Problem {
   uint16_t* out;  // bf16, rounded from the float32 result
   int64_t tiles;  // items per (b, kv head): its T * G query heads split into this many lane sets
   bool amx;       // scores on AMX tiles (attend_lanes_amx)
+  int64_t L = 1, layer = 0;  // k/v [B, L, KVH, S, D] read at `layer` (a scanned target's stacked cache)
+
+  // Sequence b's rows of kv head kvh in k (or v): [S, D].
+  const uint16_t* rows(const uint16_t* kv, int64_t b, int64_t kvh) const {
+    return kv + ((b * L + layer) * KVH + kvh) * S * D;
+  }
 
   // Query heads per item: 16 on AMX tiles (attend_lanes_amx), else 8 (one float lane each).
   int64_t lanes() const { return amx ? kLanesWide : kLanes; }
@@ -234,8 +240,8 @@ void attend_lanes(const Problem& p, int64_t b, int64_t kvh, int64_t first, float
   alignas(32) float qf[kLanes * kMaxHeadDim];  // the query rows widened to float32 once
   for (int g = 0; g < N; ++g)
     for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(qf + g * D + d, load8_bf16(ln.q[g] + d));
-  const uint16_t* kb = p.k + (b * p.KVH + kvh) * p.S * D;
-  const uint16_t* vb = p.v + (b * p.KVH + kvh) * p.S * D;
+  const uint16_t* kb = p.rows(p.k, b, kvh);
+  const uint16_t* vb = p.rows(p.v, b, kvh);
   const Prefetch prefetch(kb, vb, D, ln.last);
   const Visibility visible(ln);
   int64_t n = 0;
@@ -328,8 +334,8 @@ PEAGLE_DPBF16 void attend_lanes_wide(const Problem& p, int64_t b, int64_t kvh, i
   const int64_t D = p.D;
   Lanes ln;
   setup_lanes<N>(p, b, kvh, first, ln);
-  const uint16_t* kb = p.k + (b * p.KVH + kvh) * p.S * D;
-  const uint16_t* vb = p.v + (b * p.KVH + kvh) * p.S * D;
+  const uint16_t* kb = p.rows(p.k, b, kvh);
+  const uint16_t* vb = p.rows(p.v, b, kvh);
   const Prefetch prefetch(kb, vb, D, ln.last);
   const Visibility visible(ln);
   int64_t n = 0;
@@ -397,8 +403,8 @@ PEAGLE_AMX_DPBF16 void attend_lanes_amx(const Problem& p, int64_t b, int64_t kvh
         if (g < N) std::memcpy(&pair, ln.q[g] + 32 * c + 2 * j, 4);
         qt[c][j][g] = pair;
       }
-  const uint16_t* kb = p.k + (b * p.KVH + kvh) * p.S * D;
-  const uint16_t* vb = p.v + (b * p.KVH + kvh) * p.S * D;
+  const uint16_t* kb = p.rows(p.k, b, kvh);
+  const uint16_t* vb = p.rows(p.v, b, kvh);
   const Prefetch prefetch(kb, vb, D, ln.last);
   alignas(64) uint16_t tail[kKeyBlock * kMaxHeadDim];
   alignas(64) float sc[kKeyBlock][kLanesWide];
@@ -505,15 +511,20 @@ struct Job {
 
 }  // namespace
 
-static ffi::Error CacheAttentionBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k,
-                                     ffi::Buffer<ffi::BF16> v, ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> lo,
-                                     ffi::Buffer<ffi::S32> hi, float scale, ffi::ResultBuffer<ffi::BF16> out) {
+// k/v are [B, KVH, S, D], or [B, L, KVH, S, D] read at layer `layer` (L = 1, layer = 0 for the first).
+static ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& q, ffi::Buffer<ffi::BF16>& k,
+                         ffi::Buffer<ffi::BF16>& v, ffi::Buffer<ffi::S32>& pos, ffi::Buffer<ffi::S32>& lo,
+                         ffi::Buffer<ffi::S32>& hi, float scale, ffi::ResultBuffer<ffi::BF16>& out, int64_t L,
+                         int64_t layer) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = pos.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || pd.size() != 2)
-    return ffi::Error::InvalidArgument("cache_attention_bf16: q [B, T, H, D], k/v [B, KVH, S, D], pos [B, T] expected");
-  const int64_t B = qd[0], T = qd[1], H = qd[2], D = qd[3], KVH = kd[1], S = kd[2];
-  if (kd[0] != B || kd[3] != D || vd[0] != B || vd[1] != KVH || vd[2] != S || vd[3] != D || pd[0] != B ||
-      pd[1] != T || lo.dimensions()[0] != B || hi.dimensions()[0] != B || KVH == 0 || H % KVH != 0)
+  const size_t kv_rank = L == 1 && layer == 0 && kd.size() == 4 ? 4 : 5, o = kv_rank - 4;  // o: the layer axis
+  if (qd.size() != 4 || kd.size() != kv_rank || vd.size() != kv_rank || pd.size() != 2)
+    return ffi::Error::InvalidArgument("cache_attention_bf16: q [B, T, H, D], k/v [B, KVH, S, D] (or [B, L, KVH, S, D] "
+                                       "with a layer), pos [B, T] expected");
+  const int64_t B = qd[0], T = qd[1], H = qd[2], D = qd[3], KVH = kd[1 + o], S = kd[2 + o];
+  if (kd[0] != B || kd[3 + o] != D || vd[0] != B || vd[1 + o] != KVH || vd[2 + o] != S || vd[3 + o] != D ||
+      pd[0] != B || pd[1] != T || lo.dimensions()[0] != B || hi.dimensions()[0] != B || KVH == 0 || H % KVH != 0 ||
+      (o == 1 && (kd[1] != L || vd[1] != L || layer < 0 || layer >= L)))
     return ffi::Error::InvalidArgument("cache_attention_bf16: mismatched shapes");
   if (D % 8 != 0 || D > kMaxHeadDim)
     return ffi::Error::InvalidArgument("cache_attention_bf16: head_dim must be a multiple of 8 up to 256");
@@ -522,7 +533,7 @@ static ffi::Error CacheAttentionBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16
                    reinterpret_cast<const uint16_t*>(q.typed_data()), reinterpret_cast<const uint16_t*>(k.typed_data()),
                    reinterpret_cast<const uint16_t*>(v.typed_data()), pos.typed_data(), lo.typed_data(),
                    hi.typed_data(), reinterpret_cast<uint16_t*>(out->typed_data()), 1,
-                   D % 32 == 0 && peagle::loop_set() == 2};  // 2: the matmuls run on AMX
+                   D % 32 == 0 && peagle::loop_set() == 2, L, layer};  // 2: the matmuls run on AMX
   // As few lane sets as hold the heads: measured, splitting them further only repeats the key
   // loads (at 1 row, 3 sets of 1 head ran 40% slower than 1 set of 3).
   const int64_t heads = T * (H / KVH), tiles = (heads + job->p.lanes() - 1) / job->p.lanes();
@@ -535,14 +546,40 @@ static ffi::Error CacheAttentionBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(peagle_cache_attention_bf16, CacheAttentionBf16,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
+static ffi::Error CacheAttentionBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k,
+                                     ffi::Buffer<ffi::BF16> v, ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> lo,
+                                     ffi::Buffer<ffi::S32> hi, float scale, ffi::ResultBuffer<ffi::BF16> out) {
+  return Attend(pool, q, k, v, pos, lo, hi, scale, out, 1, 0);
+}
+
+// The same over a scanned target's stacked cache [B, L, KVH, S, D], at layer `layer`.
+static ffi::Error CacheAttentionLayerBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k,
+                                          ffi::Buffer<ffi::BF16> v, ffi::Buffer<ffi::S32> pos,
+                                          ffi::Buffer<ffi::S32> lo, ffi::Buffer<ffi::S32> hi,
+                                          ffi::Buffer<ffi::S32> layer, float scale, ffi::ResultBuffer<ffi::BF16> out) {
+  const auto kd = k.dimensions();
+  if (kd.size() != 5 || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("cache_attention_bf16 (layer): k/v [B, L, KVH, S, D] and one layer index expected");
+  return Attend(pool, q, k, v, pos, lo, hi, scale, out, kd[1], *layer.typed_data());
+}
+
+// q, k, v, pos, lo, hi: what both entry points take first.
+static auto AttentionOperands() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::BF16>>()
+      .Arg<ffi::Buffer<ffi::BF16>>()
+      .Arg<ffi::Buffer<ffi::BF16>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(peagle_cache_attention_layer_bf16, CacheAttentionLayerBf16,
+                              AttentionOperands()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("scale")
                                   .Ret<ffi::Buffer<ffi::BF16>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(peagle_cache_attention_bf16, CacheAttentionBf16,
+                              AttentionOperands().Attr<float>("scale").Ret<ffi::Buffer<ffi::BF16>>());

@@ -27,6 +27,7 @@
 #include "amx.h"
 #include "bf16.h"
 #include "cpu_features.h"
+#include "layer_view.h"
 #include "spans.h"
 #include "vmath.h"
 #include "xla/ffi/api/ffi.h"
@@ -437,6 +438,44 @@ static ffi::Error GemvGluBf16ToBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16>
                                     ffi::ResultBuffer<ffi::BF16> y) {
   return Gemv(pool, x, w, nullptr, reinterpret_cast<uint16_t*>(y->typed_data()), true);
 }
+
+static ffi::Error GemvLayer(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::Buffer<ffi::BF16>& stack,
+                            ffi::Buffer<ffi::S32>& layer, float* y32, uint16_t* yb16, bool glu = false) {
+  peagle::LayerOf<ffi::BF16> view(stack, layer);
+  if (!view.ok()) return ffi::Error::InvalidArgument("gemv_bf16: stacked weights [L, O/32, J, 64] and a layer "
+                                                     "index in [0, L) expected");
+  auto w = view.buffer();
+  return Gemv(pool, x, w, y32, yb16, glu);
+}
+
+// The three on layer `layer` of stacked weights [L, O/32, J, 64] (layer_view.h).
+static ffi::Error GemvLayerBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                                ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  return GemvLayer(pool, x, w, layer, y->typed_data(), nullptr);
+}
+
+static ffi::Error GemvLayerBf16ToBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                                      ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::BF16> y) {
+  return GemvLayer(pool, x, w, layer, nullptr, reinterpret_cast<uint16_t*>(y->typed_data()));
+}
+
+static ffi::Error GemvLayerGluBf16ToBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                                         ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::BF16> y) {
+  return GemvLayer(pool, x, w, layer, nullptr, reinterpret_cast<uint16_t*>(y->typed_data()), true);
+}
+
+#define PEAGLE_GEMV_LAYER_HANDLER(name, entry, out)                                       \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, entry,                                              \
+                                ffi::Ffi::Bind()                                          \
+                                    .Ctx<ffi::ThreadPool>()                               \
+                                    .Arg<ffi::Buffer<ffi::BF16>>()                        \
+                                    .Arg<ffi::Buffer<ffi::BF16>>()                        \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                         \
+                                    .Ret<ffi::Buffer<out>>());
+
+PEAGLE_GEMV_LAYER_HANDLER(peagle_gemv_bf16_layer, GemvLayerBf16, ffi::F32)
+PEAGLE_GEMV_LAYER_HANDLER(peagle_gemv_bf16_layer_to_bf16, GemvLayerBf16ToBf16, ffi::BF16)
+PEAGLE_GEMV_LAYER_HANDLER(peagle_gemv_glu_bf16_layer_to_bf16, GemvLayerGluBf16ToBf16, ffi::BF16)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(peagle_gemv_glu_bf16_to_bf16, GemvGluBf16ToBf16,
                               ffi::Ffi::Bind()

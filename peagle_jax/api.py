@@ -227,12 +227,11 @@ def _check_head(opts: Options, head_spec: str | None) -> None:
 
 def _load_target(opts: Options, head_spec: str | None) -> LoadedModel:
     """The target and tokenizer, with the kernel / FP8 options, placed on the mesh."""
-    import jax
-
     from peagle_jax.checkpoints import load_target
     from peagle_jax.checkpoints.default_model import DEFAULT_MODEL_NAME, resolve_model_path
     from peagle_jax.checkpoints.known_models import known_model
     from peagle_jax.checkpoints.tokenizer import eos_token_ids, load_tokenizer
+    from peagle_jax.models.layer_stack import stack_blocker
     from peagle_jax.models.options import choose_matmul, configure_inference, quantize_weights_fp8
     from peagle_jax.sharding import make_mesh
 
@@ -263,8 +262,11 @@ def _load_target(opts: Options, head_spec: str | None) -> LoadedModel:
         attention = "cpu"
         configure_inference(target, attention=attention)
     layer_loop = opts.layer_loop
-    if layer_loop == "auto":
-        layer_loop = "unrolled" if jax.default_backend() == "cpu" or device_mesh is not None else "scan"
+    if layer_loop == "auto":  # the scan wherever the layers stack (results/compile_cost/README.md)
+        why = "the model is sharded over a mesh" if device_mesh is not None else stack_blocker(target)
+        layer_loop = "scan" if why is None else "unrolled"
+        if why is not None:
+            log.info("layers unrolled: %s", why)
     configure_inference(target, layer_loop=layer_loop)
     named = None if opts.model is None else known_model(opts.model)
     name = opts.served_model_name or (DEFAULT_MODEL_NAME if is_default_model(opts.model) else named.name if named

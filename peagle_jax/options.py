@@ -85,8 +85,8 @@ class Options(BaseModel):
         "auto", description="decode-sized matmuls: auto takes the row-invariant CPU kernel for bf16 on one CPU")
     layer_loop: Literal["auto", "unrolled", "scan"] = Field(
         "auto", description="the target's decoder layers: scan runs them under one lax.scan over stacked weights "
-        "(compile time independent of depth), unrolled as a loop in the program (faster on XLA:CPU); auto: "
-        "unrolled on CPU or a mesh, scan elsewhere")
+        "(compile time and program memory independent of depth), unrolled as a loop in the program; auto: scan "
+        "unless on a mesh or the layers differ (e.g. a GGUF that quantizes some layers in another format)")
     served_model_name: str | None = Field(None, description="the model id reported and accepted (default: "
                                           "derived from the model)")
     experimental: Experimental = Field(default_factory=Experimental)

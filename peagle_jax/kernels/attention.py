@@ -90,8 +90,8 @@ def resolve_implementation(
 
 def cache_attention(
     q: Float[Array, "B T H D"],
-    k_cache: Float[Array, "B KVH S D"],
-    v_cache: Float[Array, "B KVH S D"],
+    k_cache: Float[Array, "B *L KVH S D"],
+    v_cache: Float[Array, "B *L KVH S D"],
     q_positions: Int[Array, "B T"],
     *,
     k_scale: Float[Array, "..."] | None = None,
@@ -101,14 +101,25 @@ def cache_attention(
     skip_hi: Int[Array, "B T"] | None = None,
     implementation: str | None = None,
     interpret: bool = False,
+    layer: Int[Array, ""] | None = None,
 ) -> Float[Array, "B T H D"]:
     """Query row (b, t) attends to cache rows s <= q_positions[b, t], outside [skip_lo, skip_hi)
     when given (both or neither), with the implementation `resolve_implementation` picks.
 
     ``implementation``: "xla" | "cpu" | "triton" | "mosaic" | "auto" (None: "xla");
     ``interpret=True`` runs a requested Pallas kernel in interpret mode (CPU tests). A scaled
-    (FP8) cache keeps the reference under "cpu"."""
+    (FP8) cache keeps the reference under "cpu". ``layer``: the caches are a scanned target's
+    stacks [B, L, KVH, S, D]; the CPU kernel reads that layer in place, the others get it sliced
+    out (unscaled caches only)."""
     _check(implementation)
+    if layer is not None and k_scale is None and v_scale is None and implementation == "cpu" and resolve_implementation(
+            "cpu", q_dtype=q.dtype, kv_dtype=k_cache.dtype) == "cpu":
+        return kernels_cpu.cache_attention(q, k_cache, v_cache, q_positions, sm_scale=sm_scale, skip_lo=skip_lo,
+                                           skip_hi=skip_hi, layer=layer)
+    if layer is not None:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError("cache_attention: a layer of stacked caches is read without scales (FP8 slices its layer)")
+        k_cache, v_cache = (jax.lax.dynamic_index_in_dim(c, layer, axis=1, keepdims=False) for c in (k_cache, v_cache))
     if implementation == "cpu":
         impl = resolve_implementation("cpu", q_dtype=q.dtype, kv_dtype=k_cache.dtype)
         if impl == "cpu" and k_scale is None and v_scale is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, BFloat16, Float, UInt8
+from jaxtyping import Array, BFloat16, Float, Int, UInt8
 
 import kernels_cpu
 from kernels_cpu import (
@@ -35,19 +35,20 @@ __all__ = ["TILE", "is_group_packed", "matmul", "pack", "pack_g4", "pack_g8", "p
 def is_group_packed(packed: jax.Array) -> bool:
     """Whether `packed` is `pack_g4` / `pack_g8` output: a GGUF file's blocks, which the kernel
     serves at every row count (a prompt's prefill too: gemv_group.cc)."""
-    return packed.dtype == jnp.uint8 and packed.ndim == 3 and packed.shape[-1] in (G4_RECORD, G8_RECORD)
+    return packed.dtype == jnp.uint8 and packed.ndim in (3, 4) and packed.shape[-1] in (G4_RECORD, G8_RECORD)
 
 
-def matmul(x: Float[Array, "*lead I"], packed: BFloat16[Array, "T J 64"] | UInt8[Array, "T S _"],
-           out_dtype=None, glu: bool = False) -> Float[Array, "*lead O"]:
+def matmul(x: Float[Array, "*lead I"], packed: BFloat16[Array, "*L T J 64"] | UInt8[Array, "*L T S _"],
+           out_dtype=None, glu: bool = False, layer: Int[Array, ""] | None = None) -> Float[Array, "*lead O"]:
     """x @ w for `packed` = `pack(w)`, `pack_q7(w)`, `pack_q4(w)`, `pack_g4` or `pack_g8`, summed
     in float32.
 
     `out_dtype`: None keeps the float32 sums; bfloat16 has the kernel round them (the bits of
     converting the float32 sums, without a convert in the graph); any other dtype is converted
     from float32. `glu=True` (bf16 weights and result): x holds a SwiGLU MLP's gate and up
-    outputs side by side and the product is taken of bf16(SiLU(gate) * up)."""
+    outputs side by side and the product is taken of bf16(SiLU(gate) * up). `layer`: `packed` is a
+    scanned target's stack of packings [L, ...], read at that layer in place."""
     if out_dtype is not None and jnp.dtype(out_dtype) == jnp.bfloat16:
-        return kernels_cpu.matmul(x, packed, jnp.bfloat16, glu=glu)
-    y = kernels_cpu.matmul(x, packed, glu=glu)
+        return kernels_cpu.matmul(x, packed, jnp.bfloat16, glu=glu, layer=layer)
+    y = kernels_cpu.matmul(x, packed, glu=glu, layer=layer)
     return y if out_dtype is None else y.astype(out_dtype)

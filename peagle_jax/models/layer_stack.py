@@ -4,8 +4,11 @@ Unrolled (a Python loop inside jit), a round program holds every layer's operati
 compile time and the host memory the compiled program keeps grow with depth: a 48-layer
 Qwen3-30B-A3B P-EAGLE round took 25 s to compile on XLA:CPU and did not compile in the time
 a GPU was lent (results/compile_cost/README.md). Under a scan the program holds one layer once,
-whatever the depth. On XLA:CPU the unrolled loop runs faster (about 30% in an early
-measurement, README "Layers"), so `Options.layer_loop="auto"` scans only off the CPU.
+whatever the depth: the default server compiles in half the time and keeps half the memory
+(results/serve_startup/README.md). On CPU the kernels read each step's layer of the stacked
+weights and cache in place (`layers.reading_layer`, kernels_cpu/layer_view.h), so a scanned
+decode runs as fast as the unrolled one. `Options.layer_loop="auto"` scans wherever the layers
+stack (`stack_blocker`).
 
 The weights are stacked once, after loading: every layer's parameter becomes one [L, ...] array
 (checkpoint loaders keep writing per-layer paths, `layers.<i>.*`). The KV cache becomes one
@@ -20,6 +23,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from peagle_jax.cache import StackedKV
+from peagle_jax.models.layers import PackedKernel, reading_layer
 
 LAYER_LOOPS = ("unrolled", "scan")
 
@@ -44,19 +48,36 @@ def _stack(leaves: list) -> jax.Array | jax.ShapeDtypeStruct:
     return stack
 
 
+def stack_blocker(model) -> str | None:
+    """Why `stack_layers` cannot stack this target's layers (None: it can)."""
+    if model.layer_stack is not None:
+        return None
+    if getattr(model, "mesh", None) is not None:
+        return "it does not run on a mesh yet (the sharding rules name per-layer parameters)"
+    splits = [nnx.split(layer) for layer in model.layers]
+    if len(splits) < 2:
+        return "the model has fewer than two layers"
+    (graphdef, state), rest = splits[0], splits[1:]
+    spec = lambda st: [(leaf.shape, leaf.dtype) for leaf in jax.tree.leaves(st)]
+    for i, (g, st) in enumerate(rest, start=1):
+        if g != graphdef:
+            return (f"layer {i} differs from layer 0 in structure (e.g. a dense MLP among MoE layers, or weights that "
+                    "a GGUF file quantizes in another format packed apart)")
+        if spec(st) != spec(state):
+            return (f"layer {i}'s weights differ from layer 0's in shape or type (e.g. a GGUF file that "
+                    "quantizes some layers in another format)")
+    return None
+
+
 def stack_layers(model) -> None:
     """Replace `model.layers` by `model.layer_stack`: one DecoderLayer whose every parameter
     (and packed kernel copy) holds all layers on a leading axis (in place). Raises ValueError
-    where the layers differ in structure (e.g. MoE and dense MLP layers mixed)."""
+    naming the reason where the layers cannot be stacked (`stack_blocker`)."""
     if model.layer_stack is not None:
         return
-    if getattr(model, "mesh", None) is not None:
-        raise ValueError("layer_loop 'scan' does not run on a mesh yet: its sharding rules name per-layer "
-                         "parameters; use layer_loop 'unrolled'")
+    if (why := stack_blocker(model)) is not None:
+        raise ValueError(f"layer_loop 'scan' cannot run this model: {why}; use layer_loop 'unrolled'")
     graphdefs, states = zip(*(nnx.split(layer) for layer in model.layers), strict=True)
-    if any(g != graphdefs[0] for g in graphdefs[1:]):
-        raise ValueError("layer_loop 'scan' needs identical decoder layers, and this model's differ "
-                         "(e.g. dense MLP layers among MoE ones); use layer_loop 'unrolled'")
     model.layers = nnx.List([])  # the per-layer copies go as their stacks are built
     flat = [jax.tree.flatten(state) for state in states]
     del states
@@ -94,14 +115,17 @@ def run_stacked(
     """x through every layer of `stack` in order, as the unrolled loop computes it: the new
     residual stream, the cache with every layer's new rows written, and the residual stream
     entering each layer of `tap_ids` (EAGLE-3's taps; [0, B, T, D] when none)."""
-    graphdef, params = nnx.split(stack)
+    # The CPU kernels' packed weights stay whole: each step's calls read their layer in place
+    # (`layers.reading_layer`). The rest is sliced per step by the scan.
+    graphdef, packed, params = nnx.split(stack, PackedKernel, ...)
     taps = jnp.zeros((len(tap_ids),) + x.shape, x.dtype)
     tap_at = jnp.asarray(tap_ids, jnp.int32).reshape(-1, 1, 1, 1)
 
     def body(carry, layer_params):
         x, kv, taps, i = carry
         taps = jnp.where(tap_at == i, x[None], taps)
-        x, slot = nnx.merge(graphdef, layer_params)(x, positions, kv.at_layer(i), slots, skip, angles)
+        with reading_layer(i):
+            x, slot = nnx.merge(graphdef, packed, layer_params)(x, positions, kv.at_layer(i), slots, skip, angles)
         return (x, slot.stack, taps, i + 1), None
 
     (x, cache, taps, _), _ = jax.lax.scan(body, (x, cache, taps, jnp.int32(0)), params)

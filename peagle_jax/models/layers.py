@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 from typing import NamedTuple
@@ -89,10 +91,36 @@ def packed_matmul(x: Float[Array, "... I"], packed: PackedKernel | None, w: Floa
     return kernel_matmul(x, packed, out_dtype or (x.dtype if w is None else jnp.result_type(x.dtype, w.dtype)))
 
 
+_SCAN_LAYER: contextvars.ContextVar = contextvars.ContextVar("scan_layer", default=None)
+
+
+@contextlib.contextmanager
+def reading_layer(index: Int[Array, ""]):
+    """Within the block (one step of a scan over stacked layers, `models.layer_stack`), the CPU
+    kernels read layer `index` of the stacked packed weights in place: slicing it out in the
+    graph would have XLA:CPU copy it before every call. Trace-time only."""
+    token = _SCAN_LAYER.set(index)
+    try:
+        yield
+    finally:
+        _SCAN_LAYER.reset(token)
+
+
+def packed_call(x: Float[Array, "... I"], packed: jax.Array, out_dtype, *, glu: bool = False) -> Float[Array, "... O"]:
+    """`kernels.matmul(x, packed, out_dtype, glu=glu)`, at the scan's layer (`reading_layer`)
+    where `packed` is a stack of every layer's packing."""
+    layer = None
+    if packed.ndim == 4:  # every single packing is [tiles, rows, bytes or pairs]
+        layer = _SCAN_LAYER.get()
+        if layer is None:
+            raise ValueError(f"stacked packed weights {packed.shape} are read inside a scan step (reading_layer)")
+    return kernels.matmul(x, packed, out_dtype, glu=glu, layer=layer)
+
+
 def kernel_matmul(x: Float[Array, "... I"], packed: PackedKernel, out_dtype) -> Float[Array, "... O"]:
     """`kernels.matmul` with its result in `out_dtype`: a bf16 result is rounded in the
     kernel (the bits of converting its float32 sums), anything else converted from float32."""
-    return kernels.matmul(x, packed[...], out_dtype)
+    return packed_call(x, packed[...], out_dtype)
 
 
 def fused_linears(x: Float[Array, "... I"], packed: PackedKernel | None, linears: tuple[Linear, ...]) -> tuple:
@@ -260,6 +288,8 @@ class Attention(nnx.Module):
             out = attend(q, kv.k, kv.v, slots, *(() if skip is None else skip), *scales)
         elif kv.is_fp8:
             out = attn(q, kv.k, kv.v, slots, k_scale=kv.k_scale, v_scale=kv.v_scale, **window)
+        elif isinstance(kv, LayerSlot):  # the CPU kernel reads the layer of the stack in place
+            out = attn(q, kv.stack.k, kv.stack.v, slots, layer=kv.index, **window)
         else:
             out = attn(q, kv.k, kv.v, slots, **window)
         return self.o_proj(out.reshape(b, t, -1)), kv
@@ -284,7 +314,7 @@ class MLP(nnx.Module):
     def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
         if self.gated_in_kernel(x):
             gate_up = kernel_matmul(x, self.gate_up_packed, jnp.bfloat16)
-            return kernels.matmul(gate_up, self.down_proj.kernel_packed[...], jnp.bfloat16, glu=True)
+            return packed_call(gate_up, self.down_proj.kernel_packed[...], jnp.bfloat16, glu=True)
         gate, up = fused_linears(x, self.gate_up_packed, (self.gate_proj, self.up_proj))
         return self.down_proj(silu(gate) * up)
 

@@ -2,8 +2,8 @@
 
 The families differ only in switches of `ModelConfig`: q/k/v biases (qwen2), q/k RMSNorm
 (qwen3), routed experts (qwen3_moe), rope scaling (llama3). Layers run unrolled (a Python
-loop inside jit, the fastest on XLA:CPU) or, once `models.layer_stack.stack_layers` has stacked
-them, under one `lax.scan` (a compile time that does not grow with depth).
+loop inside jit) or, once `models.layer_stack.stack_layers` has stacked them, under one
+`lax.scan` (a compile time and program memory that do not grow with depth).
 """
 
 from __future__ import annotations

@@ -441,3 +441,61 @@ def test_glu_matmul_rejects_what_it_cannot_gate():
         kernels_cpu.matmul(x, kernels_cpu.pack(w), jnp.float32, glu=True)
     with pytest.raises(ValueError, match="glu=True"):
         kernels_cpu.matmul(x[:, :127], kernels_cpu.pack(w), jnp.bfloat16, glu=True)
+
+
+@needs_kernel
+def test_a_layer_of_stacked_weights_and_caches_is_read_in_place_alike():
+    """The `_layer` custom calls (a scanned target's, layer_view.h) give a layer of a stack the
+    bits the plain calls give that layer on its own, and refuse a layer outside the stack."""
+    rng = np.random.default_rng(5)
+    x = _bf16(rng, (3, 64))
+    weights = [_bf16(rng, (64, 96)) for _ in range(3)]
+    gated = [_bf16(rng, (64, 64)) for _ in range(3)]
+    q = [rng.integers(-127, 127, (64, 96)).astype(np.int8) for _ in range(3)]
+    scales = [rng.random((64 // 16, 96)).astype(np.float32) for _ in range(3)]
+    stacks = {"bf16": [kernels_cpu.pack(w) for w in weights], "glu": [kernels_cpu.pack(w) for w in gated],
+              "g8": [jnp.asarray(kernels_cpu.pack_g8(q[i], scales[i])) for i in range(3)]}
+    for name, packs in stacks.items():
+        stack = jnp.stack(packs)
+        rows = jnp.concatenate([x, x], axis=-1) if name == "glu" else x
+        for out in (jnp.float32, jnp.bfloat16):
+            if name == "glu" and out == jnp.float32:
+                continue
+            for i in range(3):
+                one = kernels_cpu.matmul(rows, packs[i], out, glu=name == "glu")
+                layer = jax.jit(lambda r, s, i, out=out, glu=name == "glu": kernels_cpu.matmul(r, s, out, glu=glu,
+                                                                                                 layer=i))
+                np.testing.assert_array_equal(np.asarray(layer(rows, stack, jnp.int32(i)), np.float32),
+                                              np.asarray(one, np.float32))
+    k, v = _bf16(rng, (2, 3, 2, 32, 16)), _bf16(rng, (2, 3, 2, 32, 16))
+    queries, positions = _bf16(rng, (2, 3, 4, 16)), jnp.array([[5, 6, 7], [20, 21, 22]], jnp.int32)
+    for i in range(3):
+        one = kernels_cpu.cache_attention(queries, k[:, i], v[:, i], positions)
+        np.testing.assert_array_equal(np.asarray(kernels_cpu.cache_attention(queries, k, v, positions, layer=i),
+                                                 np.float32), np.asarray(one, np.float32))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="layer index in"):
+        jax.block_until_ready(kernels_cpu.matmul(x, jnp.stack(stacks["bf16"]), layer=jnp.int32(3)))
+    with pytest.raises(ValueError, match="go with a layer index"):
+        kernels_cpu.matmul(x, jnp.stack(stacks["bf16"]))
+
+
+@needs_kernel
+def test_a_scanned_target_on_the_kernels_decodes_like_plain():
+    """Packed for the kernels, then stacked (the default on one CPU): within bf16 rounding of
+    the unrolled model, with greedy speculation equal to plain greedy decoding."""
+    from peagle_jax.models.options import configure_inference
+
+    target, drafter = _pair()
+    choose_matmul(target, "cpu_kernel")
+    configure_inference(target, attention="cpu")
+    tokens, positions = jnp.asarray([[5, 9, 17, 33, 2, 8]]), jnp.arange(6)[None]
+    ref = target(tokens, positions, target.init_cache(1, 32)).logits
+    configure_inference(target, layer_loop="scan")
+    assert target.layer_stack.mlp.gate_up_packed[...].ndim == 4
+    got = target(tokens, positions, target.init_cache(1, 32)).logits
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=0.02 * float(jnp.abs(ref).max()))
+    pack_cpu_matmuls(drafter)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18]]
+    plain = speculative_generate(target, None, prompts, method="none", max_new_tokens=12)
+    spec = speculative_generate(target, drafter, prompts, method="peagle", num_draft_tokens=3, max_new_tokens=12)
+    assert spec.tokens == plain.tokens

@@ -17,6 +17,7 @@ from peagle_jax.drafters import DrafterConfig, create_drafter
 from peagle_jax.generate import speculative_generate
 from peagle_jax.generate.tree import move_second_chain
 from peagle_jax.models import ModelConfig, create_model
+from peagle_jax.models.layer_stack import stack_blocker
 from peagle_jax.models.options import configure_inference
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
@@ -103,11 +104,14 @@ def test_a_scanned_round_program_does_not_grow_with_depth():
 def test_layers_that_differ_cannot_be_stacked():
     cfg = _config(layers=3, architecture="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                   mlp_only_layers=(1,))
-    with pytest.raises(ValueError, match="identical decoder layers"):
+    with pytest.raises(ValueError, match="layer 1 differs from layer 0 in structure"):
         configure_inference(create_model(cfg, seed=0), layer_loop="scan")
     drafter = create_drafter(DrafterConfig.for_target(_config(), num_layers=1), 0)
     with pytest.raises(ValueError, match="target model"):
         configure_inference(drafter, layer_loop="scan")
+    shapes_differ = create_model(_config(layers=2), seed=0)
+    shapes_differ.layers[1].mlp.down_proj.kernel.value = jnp.zeros((64, 32), jnp.bfloat16)  # another dtype
+    assert "weights differ from layer 0's in shape or type" in stack_blocker(shapes_differ)
     with pytest.raises(ValueError, match="unknown layer loop"):
         configure_inference(create_model(_config(layers=2), seed=0), layer_loop="while")
 
