@@ -89,7 +89,7 @@ def default_draft_cutoff() -> float:
     On CPU a verify row costs about a tenth of a decode step and a width-0 round (a plain step
     plus the draft pass) 1.15, so drafts the head gives less than a 10% chance are cheaper left
     unverified: with the shipped P-EAGLE head, 0.05-0.1 gave the best simulated and measured
-    speed on HumanEval and MT-Bench (docs/notes/2026-12-05-session-27.md). On an accelerator,
+    speed on HumanEval and MT-Bench (docs/usage.md, "Draft cutoff"). On an accelerator,
     where a few more rows cost almost nothing, 0: verify every draft.
     """
     return 0.1 if jax.default_backend() == "cpu" else 0.0
@@ -101,9 +101,8 @@ def default_num_draft_tokens() -> int:
     On CPU each verify row costs about a tenth of a decode step and the heads' third draft is
     accepted in a few percent of rounds: offline HumanEval (164 prompts, batch 1) ran P-EAGLE at
     1.14x plain decoding with K=2 and 1.09x with K=3, and a K=7 round costs 1.6 decode steps
-    for K=3's acceptance (docs/notes/2026-12-04-session-21.md and 2026-12-04-session-24.md).
-    With the default draft cutoff (0.1) K=2 still won: 1.17x against 1.15x at K=3
-    (docs/notes/2026-12-05-session-27.md). On an accelerator, where a few more rows cost almost
+    for K=3's acceptance. With the default draft cutoff (0.1) K=2 still won: 1.17x against
+    1.15x at K=3 (docs/usage.md, the K left out). On an accelerator, where a few more rows cost almost
     nothing, K=3: the heads accept next to nothing past their third draft.
     """
     return 2 if jax.default_backend() == "cpu" else 3

@@ -59,7 +59,7 @@ KERNEL_MAX_ROWS = 32
 verifies and draft passes. Longer calls (prompt prefill) stay on XLA there, whose large matrix
 multiply beats the FMA loops. With AMX the kernel takes every call: its tiles are faster than
 XLA's at prefill too (a 160-token SmolLM2 prompt: 150 -> 120 ms with both kernels,
-docs/notes/2026-12-04-session-23.md).
+docs/cpu-kernels.md).
 Plain and speculative decoding prefill a prompt through the same calls, so this split never
 makes one method's tokens differ from the other's."""
 

@@ -123,7 +123,7 @@ def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16",
     weights: "bf16" (`kernels.pack`: the model's own numbers), "q7" (`kernels.pack_q7`:
     7-bit per-column weights in one byte each, half the bytes to stream) or "q4" (the Linears in
     4 bits, `kernels.pack_q4`, a quarter of the bytes; the lm_head stays in 7 bits: its
-    logits pick the drafts, and 4 bits there cost acceptance, docs/notes/2026-12-05-session-31.md).
+    logits pick the drafts, and 4 bits there cost acceptance, docs/cpu-kernels.md).
     "q7" and "q4" change the results, so only a draft head takes them: its drafts are verified by
     the target, never emitted unchecked (`q7_blocker` says where they are slower).
 
@@ -243,7 +243,7 @@ def draft_weights_for(requested: str, matmul_path: str) -> str:
     "q7" / "q4" (7- or 4-bit weights, `pack_cpu_matmuls`) or "native" (the head's weights in the
     load dtype). "auto" takes "q4" where the CPU kernel serves the head and quantized weights are
     faster here (`q7_blocker`): on the shipped P-EAGLE head its acceptance equals q7's and its
-    rounds are 0.1-0.3 ms shorter (docs/notes/2026-12-05-session-31.md). An explicit "q7" or "q4"
+    rounds are 0.1-0.3 ms shorter (docs/cpu-kernels.md). An explicit "q7" or "q4"
     needs only the kernel. Raises ValueError naming the reason."""
     if requested not in DRAFT_WEIGHTS:
         raise ValueError(f"draft_weights must be one of {DRAFT_WEIGHTS}, got {requested!r}")
