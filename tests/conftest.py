@@ -197,6 +197,25 @@ def tiny_head(tiny_target):
     return create_drafter(cfg, seed=2)
 
 
+def _gguf_experts(sd: dict, c) -> dict:
+    """The GGUF expert stacks (ffn_{gate,up,down}_exps) of an HF MoE state dict, whose experts
+    are per-expert tensors or fused (gate_up_proj); empty for a dense model."""
+    out = {}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}.mlp.experts"
+        if f"{p}.gate_up_proj" in sd:
+            gate, up = np.split(sd[f"{p}.gate_up_proj"], 2, axis=1)
+            down = sd[f"{p}.down_proj"]
+        elif f"{p}.0.up_proj.weight" in sd:
+            gate, up, down = (np.stack([sd[f"{p}.{e}.{n}_proj.weight"] for e in range(c.num_experts)])
+                              for n in ("gate", "up", "down"))
+        else:
+            continue
+        out[f"blk.{i}.ffn_gate_exps.weight"], out[f"blk.{i}.ffn_up_exps.weight"] = gate, up
+        out[f"blk.{i}.ffn_down_exps.weight"] = down
+    return out
+
+
 def write_gguf(hf, path: Path, *, rope_freqs: np.ndarray | None = None, linear_factor: float | None = None,
                types: dict | None = None):
     """A minimal llama.cpp-style GGUF of an HF model (names, q/k permutation, experts): F32, or
@@ -254,18 +273,7 @@ def write_gguf(hf, path: Path, *, rope_freqs: np.ndarray | None = None, linear_f
             elif arch == "llama" and mod == "self_attn.k_proj":
                 v = permute(v, c.num_key_value_heads)
             out[f"blk.{layer}.{names[mod]}.{kind}"] = v
-    for i in range(c.num_hidden_layers):  # experts, per-expert or fused in the state dict
-        p = f"model.layers.{i}.mlp.experts"
-        if f"{p}.gate_up_proj" in sd:
-            gate, up = np.split(sd[f"{p}.gate_up_proj"], 2, axis=1)
-            down = sd[f"{p}.down_proj"]
-        elif f"{p}.0.up_proj.weight" in sd:
-            gate, up, down = (np.stack([sd[f"{p}.{e}.{n}_proj.weight"] for e in range(c.num_experts)])
-                              for n in ("gate", "up", "down"))
-        else:
-            continue
-        out[f"blk.{i}.ffn_gate_exps.weight"], out[f"blk.{i}.ffn_up_exps.weight"] = gate, up
-        out[f"blk.{i}.ffn_down_exps.weight"] = down
+    out.update(_gguf_experts(sd, c))
     if rope_freqs is not None:
         out["rope_freqs.weight"] = rope_freqs.astype(np.float32)
     for name, arr in out.items():
