@@ -123,9 +123,9 @@ def build(force: bool = False) -> Path:
 def _layer_target(name: str) -> str:
     """The custom call that reads one layer of stacked operands [L, ...] in place (layer_view.h):
     peagle_gemv_bf16 -> peagle_gemv_bf16_layer, peagle_gemv_g4_to_bf16 -> peagle_gemv_g4_layer_to_bf16."""
-    head, sep, tail = name.partition("_to_bf16")
     if name == ATTENTION_TARGET:
         return "peagle_cache_attention_layer_bf16"
+    head, sep, tail = name.partition("_to_bf16")
     return f"{head}_layer{sep}{tail}"
 
 
@@ -142,16 +142,16 @@ def unavailable_reason() -> str | None:
     except (RuntimeError, OSError) as e:
         return str(e)
     try:
-        layered = [(_layer_target(t), getattr(lib, _layer_target(t)))
-                   for t in (TARGET_NAME, TARGET_BF16_OUT, GLU_TARGET, ATTENTION_TARGET, Q7_TARGET, Q7_BF16_OUT,
-                             Q4_TARGET, Q4_BF16_OUT, G4_TARGET, G4_BF16_OUT, G8_TARGET, G8_BF16_OUT)]
-        for name, fn in (*layered, (TARGET_NAME, lib.peagle_gemv_bf16), (TARGET_BF16_OUT, lib.peagle_gemv_bf16_to_bf16),
-                         (ATTENTION_TARGET, lib.peagle_cache_attention_bf16), (Q7_TARGET, lib.peagle_gemv_q7),
-                         (Q7_BF16_OUT, lib.peagle_gemv_q7_to_bf16), (Q4_TARGET, lib.peagle_gemv_q4),
-                         (Q4_BF16_OUT, lib.peagle_gemv_q4_to_bf16), (ARGMAX_TARGET, lib.peagle_argmax_f32),
-                         (GLU_TARGET, lib.peagle_gemv_glu_bf16_to_bf16), (G4_TARGET, lib.peagle_gemv_g4),
-                         (G4_BF16_OUT, lib.peagle_gemv_g4_to_bf16), (G8_TARGET, lib.peagle_gemv_g8),
-                         (G8_BF16_OUT, lib.peagle_gemv_g8_to_bf16)):
+        single = ((TARGET_NAME, lib.peagle_gemv_bf16), (TARGET_BF16_OUT, lib.peagle_gemv_bf16_to_bf16),
+                  (ATTENTION_TARGET, lib.peagle_cache_attention_bf16), (Q7_TARGET, lib.peagle_gemv_q7),
+                  (Q7_BF16_OUT, lib.peagle_gemv_q7_to_bf16), (Q4_TARGET, lib.peagle_gemv_q4),
+                  (Q4_BF16_OUT, lib.peagle_gemv_q4_to_bf16), (ARGMAX_TARGET, lib.peagle_argmax_f32),
+                  (GLU_TARGET, lib.peagle_gemv_glu_bf16_to_bf16), (G4_TARGET, lib.peagle_gemv_g4),
+                  (G4_BF16_OUT, lib.peagle_gemv_g4_to_bf16), (G8_TARGET, lib.peagle_gemv_g8),
+                  (G8_BF16_OUT, lib.peagle_gemv_g8_to_bf16))
+        # Each matmul and the attention also read a layer of stacked operands (`_layer_target`).
+        layered = tuple((_layer_target(n), getattr(lib, _layer_target(n))) for n, _ in single if n != ARGMAX_TARGET)
+        for name, fn in single + layered:
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="cpu")
     except jax.errors.JaxRuntimeError as e:
         return f"jaxlib {jax.lib.__version__} refused {LIBRARY.name}: {e}"

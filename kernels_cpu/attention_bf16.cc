@@ -511,20 +511,21 @@ struct Job {
 
 }  // namespace
 
-// k/v are [B, KVH, S, D], or [B, L, KVH, S, D] read at layer `layer` (L = 1, layer = 0 for the first).
+// k/v are [B, KVH, S, D], or, given a layer index, [B, L, KVH, S, D] read at that layer.
 static ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& q, ffi::Buffer<ffi::BF16>& k,
                          ffi::Buffer<ffi::BF16>& v, ffi::Buffer<ffi::S32>& pos, ffi::Buffer<ffi::S32>& lo,
-                         ffi::Buffer<ffi::S32>& hi, float scale, ffi::ResultBuffer<ffi::BF16>& out, int64_t L,
-                         int64_t layer) {
+                         ffi::Buffer<ffi::S32>& hi, float scale, ffi::ResultBuffer<ffi::BF16>& out,
+                         const int32_t* layer_index) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = pos.dimensions();
-  const size_t kv_rank = L == 1 && layer == 0 && kd.size() == 4 ? 4 : 5, o = kv_rank - 4;  // o: the layer axis
+  const size_t o = layer_index != nullptr, kv_rank = 4 + o;  // o: the layer axis, where there is one
   if (qd.size() != 4 || kd.size() != kv_rank || vd.size() != kv_rank || pd.size() != 2)
     return ffi::Error::InvalidArgument("cache_attention_bf16: q [B, T, H, D], k/v [B, KVH, S, D] (or [B, L, KVH, S, D] "
                                        "with a layer), pos [B, T] expected");
   const int64_t B = qd[0], T = qd[1], H = qd[2], D = qd[3], KVH = kd[1 + o], S = kd[2 + o];
+  const int64_t L = o ? kd[1] : 1, layer = o ? *layer_index : 0;
   if (kd[0] != B || kd[3 + o] != D || vd[0] != B || vd[1 + o] != KVH || vd[2 + o] != S || vd[3 + o] != D ||
       pd[0] != B || pd[1] != T || lo.dimensions()[0] != B || hi.dimensions()[0] != B || KVH == 0 || H % KVH != 0 ||
-      (o == 1 && (kd[1] != L || vd[1] != L || layer < 0 || layer >= L)))
+      (o == 1 && (vd[1] != L || layer < 0 || layer >= L)))
     return ffi::Error::InvalidArgument("cache_attention_bf16: mismatched shapes");
   if (D % 8 != 0 || D > kMaxHeadDim)
     return ffi::Error::InvalidArgument("cache_attention_bf16: head_dim must be a multiple of 8 up to 256");
@@ -549,7 +550,7 @@ static ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& q, ffi::
 static ffi::Error CacheAttentionBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k,
                                      ffi::Buffer<ffi::BF16> v, ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> lo,
                                      ffi::Buffer<ffi::S32> hi, float scale, ffi::ResultBuffer<ffi::BF16> out) {
-  return Attend(pool, q, k, v, pos, lo, hi, scale, out, 1, 0);
+  return Attend(pool, q, k, v, pos, lo, hi, scale, out, nullptr);
 }
 
 // The same over a scanned target's stacked cache [B, L, KVH, S, D], at layer `layer`.
@@ -557,10 +558,9 @@ static ffi::Error CacheAttentionLayerBf16(ffi::ThreadPool pool, ffi::Buffer<ffi:
                                           ffi::Buffer<ffi::BF16> v, ffi::Buffer<ffi::S32> pos,
                                           ffi::Buffer<ffi::S32> lo, ffi::Buffer<ffi::S32> hi,
                                           ffi::Buffer<ffi::S32> layer, float scale, ffi::ResultBuffer<ffi::BF16> out) {
-  const auto kd = k.dimensions();
-  if (kd.size() != 5 || layer.element_count() != 1)
-    return ffi::Error::InvalidArgument("cache_attention_bf16 (layer): k/v [B, L, KVH, S, D] and one layer index expected");
-  return Attend(pool, q, k, v, pos, lo, hi, scale, out, kd[1], *layer.typed_data());
+  if (layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("cache_attention_bf16 (layer): one layer index expected");
+  return Attend(pool, q, k, v, pos, lo, hi, scale, out, layer.typed_data());
 }
 
 // q, k, v, pos, lo, hi: what both entry points take first.

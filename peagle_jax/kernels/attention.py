@@ -112,20 +112,16 @@ def cache_attention(
     stacks [B, L, KVH, S, D]; the CPU kernel reads that layer in place, the others get it sliced
     out (unscaled caches only)."""
     _check(implementation)
-    if layer is not None and k_scale is None and v_scale is None and implementation == "cpu" and resolve_implementation(
-            "cpu", q_dtype=q.dtype, kv_dtype=k_cache.dtype) == "cpu":
-        return kernels_cpu.cache_attention(q, k_cache, v_cache, q_positions, sm_scale=sm_scale, skip_lo=skip_lo,
-                                           skip_hi=skip_hi, layer=layer)
-    if layer is not None:
-        if k_scale is not None or v_scale is not None:
-            raise ValueError("cache_attention: a layer of stacked caches is read without scales (FP8 slices its layer)")
-        k_cache, v_cache = (jax.lax.dynamic_index_in_dim(c, layer, axis=1, keepdims=False) for c in (k_cache, v_cache))
+    scaled = k_scale is not None or v_scale is not None
+    if layer is not None and scaled:
+        raise ValueError("cache_attention: a layer of stacked caches is read without scales (FP8 slices its layer)")
     if implementation == "cpu":
-        impl = resolve_implementation("cpu", q_dtype=q.dtype, kv_dtype=k_cache.dtype)
-        if impl == "cpu" and k_scale is None and v_scale is None:
+        if not scaled and resolve_implementation("cpu", q_dtype=q.dtype, kv_dtype=k_cache.dtype) == "cpu":
             return kernels_cpu.cache_attention(q, k_cache, v_cache, q_positions, sm_scale=sm_scale, skip_lo=skip_lo,
-                                               skip_hi=skip_hi)
+                                               skip_hi=skip_hi, layer=layer)
         implementation = "xla"
+    if layer is not None:
+        k_cache, v_cache = (jax.lax.dynamic_index_in_dim(c, layer, axis=1, keepdims=False) for c in (k_cache, v_cache))
     return pallas_cache_attention(q, k_cache, v_cache, q_positions, k_scale=k_scale, v_scale=v_scale,
                                   sm_scale=sm_scale, skip_lo=skip_lo, skip_hi=skip_hi,
                                   implementation=implementation, interpret=interpret)

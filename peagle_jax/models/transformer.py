@@ -116,12 +116,13 @@ class CausalLM(nnx.Module):
         """
         aux_ids = tuple(self.config.eagle_aux_layer_ids) if return_aux else ()
         x = self.embed(tokens)
+        first = self.layers[0] if self.layer_stack is None else self.layer_stack
+        angles = first.self_attn.rotary(positions)  # every layer rotates alike
         if self.layer_stack is not None:
-            angles = self.layer_stack.self_attn.rotary(positions)
             x, stack, tapped = run_stacked(self.layer_stack, x, positions, cache.layers, slots, skip, angles, aux_ids)
             cache, taps = cache._replace(layers=stack), dict(zip(aux_ids, tapped, strict=True))
         else:
-            x, cache, taps = self._run_unrolled(x, positions, cache, slots, skip, aux_ids)
+            x, cache, taps = self._run_unrolled(x, positions, cache, slots, skip, angles, aux_ids)
         h = self.norm(x)
         logits = None
         if compute_logits:
@@ -131,12 +132,11 @@ class CausalLM(nnx.Module):
         return ForwardOutput(logits=logits, cache=cache, aux_hidden=aux,
                              final_hidden=h if return_final_hidden else None)
 
-    def _run_unrolled(self, x, positions, cache: KVCache, slots, skip, aux_ids: tuple[int, ...]):
+    def _run_unrolled(self, x, positions, cache: KVCache, slots, skip, angles, aux_ids: tuple[int, ...]):
         """x through the layers one by one: (x, the cache with their new rows, {i: the residual
         stream entering layer i} for i in `aux_ids`)."""
         taps: dict[int, jax.Array] = {}
         new_layers = []
-        angles = self.layers[0].self_attn.rotary(positions)  # every layer rotates alike
         for i, layer in enumerate(self.layers):
             if i in aux_ids:
                 taps[i] = x
