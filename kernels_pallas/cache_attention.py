@@ -63,6 +63,8 @@ def cache_attention_reference(
     sm_scale: float | None = None,
     skip_lo: Int[Array, "B T"] | None = None,
     skip_hi: Int[Array, "B T"] | None = None,
+    sinks: Float[Array, " H"] | None = None,
+    window: int | None = None,
     rowwise: bool | None = None,
     key_block: int = KEY_BLOCK,
 ) -> Float[Array, "B T H D"]:
@@ -87,6 +89,10 @@ def cache_attention_reference(
 
     ``skip_lo`` / ``skip_hi`` hide rows [lo, hi) from each query row (the tree mask, see the
     module docstring); hidden keys get weight exactly 0, as future ones do.
+
+    ``sinks`` (GPT-OSS): one logit per query head that joins every row's softmax with a zero
+    value, so a row can give little weight to all its keys; it starts the running max and sum.
+    ``window``: a row at position p sees only positions > p - window (sliding-window layers).
     """
     if rowwise is None:
         rowwise = q.shape[1] <= ROWWISE_MAX_ROWS
@@ -95,10 +101,10 @@ def cache_attention_reference(
     skip = _skip_window(skip_lo, skip_hi)
     cache = _BlockedCache(k_cache, v_cache, k_scale, v_scale, q.dtype, min(key_block, k_cache.shape[2]))
     if not rowwise:
-        return _attend(q, cache, q_positions, sm_scale, skip)
+        return _attend(q, cache, q_positions, sm_scale, skip, sinks, window)
     # Unrolled (T is small): measured faster on XLA:CPU than a lax.map over the rows.
     rows = [_attend(q[:, t:t + 1], cache, q_positions[:, t:t + 1], sm_scale,
-                    None if skip is None else (skip[0][:, t:t + 1], skip[1][:, t:t + 1]))
+                    None if skip is None else (skip[0][:, t:t + 1], skip[1][:, t:t + 1]), sinks, window)
             for t in range(q.shape[1])]
     return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)
 
@@ -151,6 +157,7 @@ def _read_block(x, scale, start, block: int, dtype) -> Float[Array, "B KVH C D"]
 def _attend(
     q: Float[Array, "B T H D"], cache: _BlockedCache, q_positions: Int[Array, "B T"], sm_scale: float,
     skip: tuple[Int[Array, "B T"], Int[Array, "B T"]] | None = None,
+    sinks: Float[Array, " H"] | None = None, window: int | None = None,
 ) -> Float[Array, "B T H D"]:
     """Causal-by-position attention of T rows; the G query heads of a kv head and the T rows
     form one [T*G, D] block per (sequence, kv head).
@@ -179,10 +186,14 @@ def _attend(
         visible = (pos <= row_pos) & (pos >= i * cache.block)  # [B, 1, T*G, C]
         if row_lo is not None:
             visible = visible & ~((pos >= row_lo) & (pos < row_hi))
+        if window is not None:
+            visible = visible & (pos > row_pos - window)
         scores = jnp.where(visible, scores, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))
-        weights = jnp.exp(scores - m_new)
-        rescale = jnp.exp(m - m_new)
+        # A window can hide a whole block from a row that has seen nothing yet (max still -inf).
+        m_ref = m_new if window is None else jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        weights = jnp.exp(scores - m_ref)
+        rescale = jnp.exp(m - m_ref)
         # The weights' sum as a product with a ones matrix, not a reduction (see the docstring).
         # The barrier keeps XLA from rewriting the product back into a reduce.
         p = weights.astype(v.dtype)
@@ -193,6 +204,9 @@ def _attend(
 
     init = (jnp.full((b, kvh, t * g, 1), -jnp.inf, jnp.float32), jnp.zeros((b, kvh, t * g, 1), jnp.float32),
             jnp.zeros((b, kvh, t * g, d), jnp.float32))
+    if sinks is not None:  # the sink is a key seen first: weight exp(0) = 1 at max = its logit, value 0
+        sink = jnp.tile(sinks.astype(jnp.float32).reshape(kvh, 1, g), (1, t, 1)).reshape(1, kvh, t * g, 1)
+        init = (jnp.broadcast_to(sink, init[0].shape), jnp.ones_like(init[1]), init[2])
     # Block 0 is visible to every row: it runs unconditionally, and a loop over the others runs
     # as many times as the furthest row needs (none for a context within one block).
     carry = block_step(0, init)

@@ -94,8 +94,12 @@ def _randomize(model, seed: int) -> None:
                 p.copy_(0.2 * torch.randn(p.shape, generator=g))
             elif name.endswith("embed_tokens.weight"):
                 p.copy_(torch.randn(p.shape, generator=g))
-            elif name.endswith("mlp.gate.weight"):  # router: decisive top-k (no near-ties)
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # router: decisive top-k (no near-ties)
                 p.copy_(2.0 * torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+            elif name.endswith("_proj_bias"):  # gpt_oss's expert biases [E, out]
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")) and model.config.model_type == "gpt_oss":
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-2]))  # [E, in, out]
             else:  # [out, in] projections, fused experts [E, out, in]
                 p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
 
@@ -104,7 +108,7 @@ def _randomize(model, seed: int) -> None:
 def make_tiny_hf():
     """Factory: make_tiny_hf(arch, seed=0, **config_overrides) -> HF *ForCausalLM (fp32, eval).
 
-    arch is one of "llama", "qwen2", "qwen3", "qwen3_moe"; attention is "eager".
+    arch is one of "llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss"; attention is "eager".
     """
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -113,6 +117,7 @@ def make_tiny_hf():
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }
 
     def make(arch: str, seed: int = 0, **overrides):
@@ -120,6 +125,8 @@ def make_tiny_hf():
         kw = dict(TINY_COMMON, tie_word_embeddings=False)
         if arch == "qwen3_moe":
             kw.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+        if arch == "gpt_oss":  # experts as wide as intermediate_size; every other layer sees 4 positions
+            kw.update(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=4)
         kw.update(overrides)
         torch.manual_seed(seed)
         config = config_cls(**kw)

@@ -3,7 +3,7 @@
 HF names map to ours by a declarative table of regexes; torch's Linear stores [out, in] and
 we store [in, out], so every projection is transposed. Routed experts are accepted both in
 the hub layout (`mlp.experts.{e}.gate_proj.weight`) and in transformers 5's fused layout
-(`mlp.experts.gate_up_proj` [E, 2I, D]).
+(`mlp.experts.gate_up_proj` [E, 2I, D]); GPT-OSS's own layouts are `checkpoints.gpt_oss`'s.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
+from peagle_jax.checkpoints.gpt_oss import convert_gpt_oss_tensors
 from peagle_jax.checkpoints.params import CheckpointError, assign_params
 from peagle_jax.models.config import ModelConfig
 from peagle_jax.models.transformer import CausalLM
@@ -79,6 +80,8 @@ def convert_hf_tensors(
     appended to `problems["missing"]` (their stacked parameter is then left out).
     """
     out: dict[str, np.ndarray] = {}
+    if cfg.architecture == "gpt_oss":
+        out, named = convert_gpt_oss_tensors(named)
     experts: dict[tuple[int, str], dict[int, np.ndarray]] = defaultdict(dict)
     unknown = []
     for name, arr in named.items():
@@ -139,7 +142,9 @@ def load_hf_model(model_dir: str | Path, *, dtype: str = "float32") -> CausalLM:
         # those staging arrays on the host rather than round-tripping through an accelerator.
         with jax.default_device(jax.devices("cpu")[0]), safe_open(str(f), framework="flax") as fh:
             for key in fh.keys():
-                named[key] = np.asarray(fh.get_tensor(key), dtype=np.float32)
+                tensor = np.asarray(fh.get_tensor(key))
+                # integers stay as they are: GPT-OSS's MXFP4 blocks and scales (checkpoints.gpt_oss)
+                named[key] = tensor if np.issubdtype(tensor.dtype, np.integer) else tensor.astype(np.float32)
     model = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
     problems: dict[str, list[str]] = {}
     tensors = convert_hf_tensors(named, cfg, strict=False, problems=problems)

@@ -46,6 +46,12 @@ def _log_once(why: str) -> None:
     logger.warning("cache_attention(implementation='cpu'): %s; falling back to 'xla'", why)
 
 
+@functools.cache
+def _log_sinks_once(implementation: str) -> None:
+    logger.info("cache_attention(implementation=%r): no kernel takes attention sinks or a sliding window yet; "
+                "using 'xla'", implementation)
+
+
 def _check(implementation: str | None) -> None:
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(
@@ -102,6 +108,8 @@ def cache_attention(
     implementation: str | None = None,
     interpret: bool = False,
     layer: Int[Array, ""] | None = None,
+    sinks: Float[Array, " H"] | None = None,
+    window: int | None = None,
 ) -> Float[Array, "B T H D"]:
     """Query row (b, t) attends to cache rows s <= q_positions[b, t], outside [skip_lo, skip_hi)
     when given (both or neither), with the implementation `resolve_implementation` picks.
@@ -110,8 +118,18 @@ def cache_attention(
     ``interpret=True`` runs a requested Pallas kernel in interpret mode (CPU tests). A scaled
     (FP8) cache keeps the reference under "cpu". ``layer``: the caches are a scanned target's
     stacks [B, L, KVH, S, D]; the CPU kernel reads that layer in place, the others get it sliced
-    out (unscaled caches only)."""
+    out (unscaled caches only). ``sinks`` and ``window`` (GPT-OSS's attention sinks and sliding
+    window, `cache_attention_reference`) run on the XLA reference: no kernel takes them yet."""
     _check(implementation)
+    if sinks is not None or window is not None:
+        if implementation not in (None, "xla"):
+            _log_sinks_once(implementation)
+        if layer is not None:
+            k_cache, v_cache = (jax.lax.dynamic_index_in_dim(c, layer, axis=1, keepdims=False)
+                                for c in (k_cache, v_cache))
+        return cache_attention_reference(q, k_cache, v_cache, q_positions, k_scale=k_scale, v_scale=v_scale,
+                                         sm_scale=sm_scale, skip_lo=skip_lo, skip_hi=skip_hi, sinks=sinks,
+                                         window=window)
     scaled = k_scale is not None or v_scale is not None
     if layer is not None and scaled:
         raise ValueError("cache_attention: a layer of stacked caches is read without scales (FP8 slices its layer)")

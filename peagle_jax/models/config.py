@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-Architecture = Literal["llama", "qwen2", "qwen3", "qwen3_moe"]
+Architecture = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss"]
 
 # HF `model_type` / `architectures[0]` -> our architecture family.
 _MODEL_TYPES: dict[str, Architecture] = {
@@ -15,6 +15,7 @@ _MODEL_TYPES: dict[str, Architecture] = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
+    "gpt_oss": "gpt_oss",
 }
 
 
@@ -45,6 +46,17 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # gpt_oss: the router has a bias and softmaxes its top-k logits (qwen3_moe: softmax, then
+    # top-k); experts carry biases and gate with a clamped SwiGLU, (up + 1) * g * sigmoid(alpha g).
+    moe_router: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
+    moe_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    # gpt_oss: a learned per-head logit that joins every softmax (the attention sink), and
+    # layers that see only the last `sliding_window` positions (`sliding_layers`).
+    attention_sinks: bool = False
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
     # EAGLE-3 feature taps: residual stream entering these layers.
     aux_layer_ids: tuple[int, ...] | None = None
     bos_token_id: int | None = None
@@ -65,6 +77,10 @@ class ModelConfig:
             and layer_idx not in self.mlp_only_layers
             and (layer_idx + 1) % self.decoder_sparse_step == 0
         )
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """How many positions layer `layer_idx` attends back over (None: all)."""
+        return self.sliding_window if layer_idx in self.sliding_layers else None
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -87,8 +103,8 @@ class ModelConfig:
             raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is implemented")
         if cfg.get("mlp_bias"):
             raise ValueError("mlp_bias=true is not supported")
-        if cfg.get("use_sliding_window"):
-            raise ValueError("use_sliding_window=true (sliding-window attention) is not supported")
+        if cfg.get("use_sliding_window") and arch != "gpt_oss":
+            raise ValueError("use_sliding_window=true (sliding-window attention) is only supported for gpt_oss")
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         rope_scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
@@ -97,14 +113,24 @@ class ModelConfig:
             rtype = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
             if rtype == "default":
                 rope_scaling = None
-            elif rtype not in ("llama3", "linear"):
-                raise ValueError(f"unsupported rope_scaling type {rtype!r}; supported: llama3, linear")
+            elif rtype not in ("llama3", "linear", "yarn"):
+                raise ValueError(f"unsupported rope_scaling type {rtype!r}; supported: llama3, linear, yarn")
         rope_theta = cfg.get("rope_theta")
         if rope_theta is None:
             rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         aux = cfg.get("eagle_aux_hidden_state_layer_ids")
+        oss = arch == "gpt_oss"
+        layer_types = cfg.get("layer_types") or (
+            ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(cfg["num_hidden_layers"])]
+            if oss else [])
+        unknown_types = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+        if unknown_types:
+            raise ValueError(f"unsupported layer_types {unknown_types}; supported: sliding_attention, full_attention")
+        sliding = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
+        if sliding and not cfg.get("sliding_window"):
+            raise ValueError("layer_types names sliding_attention layers but sliding_window is not set")
         fields = dict(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -124,9 +150,18 @@ class ModelConfig:
             qk_norm=arch in ("qwen3", "qwen3_moe"),
             # transformers 5 writes `num_local_experts` (`num_experts` is an attribute alias)
             num_experts=(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-            if arch == "qwen3_moe" else 0,
+            if arch in ("qwen3_moe", "gpt_oss") else 0,
             num_experts_per_tok=cfg.get("num_experts_per_tok", 0),
-            moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
+            # gpt_oss's experts are as wide as its `intermediate_size`; it has no dense MLP
+            moe_intermediate_size=cfg.get("moe_intermediate_size", 0) or (
+                cfg.get("intermediate_size", 0) if oss else 0),
+            moe_router="topk_softmax" if oss else "softmax_topk",
+            moe_bias=oss,
+            swiglu_limit=float(cfg.get("swiglu_limit", 7.0)) if oss else None,
+            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+            attention_sinks=oss,
+            sliding_window=cfg.get("sliding_window") if sliding else None,
+            sliding_layers=sliding,
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
             decoder_sparse_step=cfg.get("decoder_sparse_step", 1) or 1,
             mlp_only_layers=tuple(cfg.get("mlp_only_layers", ()) or ()),

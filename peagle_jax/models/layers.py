@@ -180,7 +180,40 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None) -> jax.Arr
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return jnp.where(medium, smoothed, scaled)
+    if rtype == "yarn":
+        return _yarn_inv_freq(inv, head_dim, theta, s)
     raise ValueError(f"unsupported rope scaling {rtype!r}")
+
+
+def _yarn_inv_freq(inv: jax.Array, head_dim: int, theta: float, s: dict) -> jax.Array:
+    """YaRN (arXiv 2309.00071), as HF computes it: frequencies that turn fewer than `beta_slow`
+    times over the original context are interpolated by `factor`, those that turn more than
+    `beta_fast` times are kept, and a linear ramp over the dimensions blends the two."""
+    factor, old_ctx = float(s["factor"]), float(s["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+    dim_at = lambda turns: head_dim * math.log(old_ctx / (turns * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = dim_at(beta_fast), dim_at(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    return inv / factor * ramp + inv * (1 - ramp)
+
+
+def rope_attention_factor(scaling: tuple | None) -> float:
+    """The factor YaRN multiplies cos and sin by (1 for every other rule): its `attention_factor`,
+    else 0.1 ln(factor) + 1, or the ratio of the two `mscale` forms where both are given."""
+    s = dict(scaling or ())
+    if s.get("rope_type", s.get("type")) != "yarn":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor = float(s["factor"])
+    mscale = lambda m: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return mscale(float(s["mscale"])) / mscale(float(s["mscale_all_dim"]))
+    return mscale(1.0)
 
 
 class RotaryAngles(NamedTuple):
@@ -192,11 +225,14 @@ class RotaryAngles(NamedTuple):
     sin: Float[Array, "B T 1 D2"]
 
 
-def rotary_angles(positions: Int[Array, "B T"], inv_freq: Float[Array, " D2"]) -> RotaryAngles:
+def rotary_angles(positions: Int[Array, "B T"], inv_freq: Float[Array, " D2"], scale: float = 1.0) -> RotaryAngles:
     """The angles of `apply_rope`, materialized once (the barrier keeps XLA from fusing the
-    cos/sin back into every layer's rotation)."""
+    cos/sin back into every layer's rotation); `scale` multiplies both (YaRN's attention factor)."""
     freqs = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
-    cos, sin = jax.lax.optimization_barrier((jnp.cos(freqs), jnp.sin(freqs)))
+    cos, sin = jnp.cos(freqs), jnp.sin(freqs)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    cos, sin = jax.lax.optimization_barrier((cos, sin))
     return RotaryAngles(cos[:, :, None, :], sin[:, :, None, :])
 
 
@@ -228,8 +264,13 @@ class Attention(nnx.Module):
         rope_scaling: tuple | None,
         dtype,
         rngs: nnx.Rngs,
+        sinks: bool = False,
+        window: int | None = None,
     ):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        # GPT-OSS: a learned sink logit per head, and sliding-window layers (cache_attention_reference)
+        self.sinks = nnx.Param(jnp.zeros((num_heads,), dtype)) if sinks else None
+        self.window = window
         self.q_proj = Linear(d_in, num_heads * head_dim, bias=qkv_bias, dtype=dtype, rngs=rngs)
         self.k_proj = Linear(d_in, num_kv_heads * head_dim, bias=qkv_bias, dtype=dtype, rngs=rngs)
         self.v_proj = Linear(d_in, num_kv_heads * head_dim, bias=qkv_bias, dtype=dtype, rngs=rngs)
@@ -245,7 +286,8 @@ class Attention(nnx.Module):
     def rotary(self, positions: Int[Array, "B T"]) -> RotaryAngles:
         """This layer's rotary angles at `positions` (the same for every layer of a model, so a
         forward computes them once and passes them to each)."""
-        return rotary_angles(positions, rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling))
+        return rotary_angles(positions, rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling),
+                             rope_attention_factor(self.rope_scaling))
 
     def project_qkv(
         self, x: Float[Array, "B T Din"], positions: Int[Array, "B T"], angles: RotaryAngles | None = None
@@ -278,7 +320,8 @@ class Attention(nnx.Module):
         q, k, v = self.project_qkv(x, positions, angles)
         slots = positions if slots is None else slots
         kv = kv.write(k, v, slots)
-        attn = functools.partial(kernels.cache_attention, implementation=self.attn_impl, interpret=self.attn_interpret)
+        attn = functools.partial(kernels.cache_attention, implementation=self.attn_impl, interpret=self.attn_interpret,
+                                 **self._sink_and_window(skip))
         window = {} if skip is None else {"skip_lo": skip[0], "skip_hi": skip[1]}
         if self.mesh is not None:
             from peagle_jax.sharding import sharded_attention
@@ -293,6 +336,18 @@ class Attention(nnx.Module):
         else:
             out = attn(q, kv.k, kv.v, slots, **window)
         return self.o_proj(out.reshape(b, t, -1)), kv
+
+
+    def _sink_and_window(self, skip) -> dict:
+        """The GPT-OSS arguments of `kernels.cache_attention`, where this layer has them."""
+        if self.sinks is None and self.window is None:
+            return {}
+        if self.mesh is not None:
+            raise ValueError("attention sinks and sliding windows do not run on a mesh yet")
+        if self.window is not None and skip is not None:
+            # a tree verify's second chain lies at other cache rows than its positions
+            raise ValueError("a sliding-window layer cannot run a tree verify: its window counts cache rows")
+        return {"sinks": None if self.sinks is None else self.sinks[...], "window": self.window}
 
 
 def silu(x: Float[Array, "..."]) -> Float[Array, "..."]:
@@ -330,7 +385,8 @@ class MLP(nnx.Module):
 
 
 class MoE(nnx.Module):
-    """Routed top-k experts (Qwen3-MoE): softmax router, optional top-k renormalisation.
+    """Routed top-k experts: Qwen3-MoE (softmax router, optional top-k renormalisation) and
+    GPT-OSS (router bias, softmax over the top-k logits, expert biases, clamped SwiGLU).
 
     Experts are stacked [E, ...]. `impl` (set by `models.options.configure_inference`):
       "dense": every expert runs, with routing weights that are zero outside the top-k. One
@@ -352,29 +408,57 @@ class MoE(nnx.Module):
     IMPLS = ("dense", "gathered", "grouped")
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, norm_topk_prob: bool,
-                 *, dtype, rngs: nnx.Rngs, std: float = 0.02):
+                 *, dtype, rngs: nnx.Rngs, std: float = 0.02, router: str = "softmax_topk", bias: bool = False,
+                 swiglu_limit: float | None = None, swiglu_alpha: float = 1.702):
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
-        self.gate = Linear(d_model, num_experts, bias=False, dtype=dtype, rngs=rngs)
+        self.router, self.swiglu_limit, self.swiglu_alpha = router, swiglu_limit, swiglu_alpha
+        self.gate = Linear(d_model, num_experts, bias=bias, dtype=dtype, rngs=rngs)
         init = lambda shape: nnx.Param(std * jax.random.normal(rngs.params(), shape, dtype))
         self.gate_proj = init((num_experts, d_model, d_ff))
         self.up_proj = init((num_experts, d_model, d_ff))
         self.down_proj = init((num_experts, d_ff, d_model))
+        # GPT-OSS's experts add a bias after each projection
+        zeros = lambda shape: nnx.Param(jnp.zeros(shape, dtype)) if bias else None
+        self.gate_bias, self.up_bias, self.down_bias = (zeros((num_experts, d_ff)), zeros((num_experts, d_ff)),
+                                                        zeros((num_experts, d_model)))
         self.impl = "dense"
 
-    def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
-        router_probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)  # [B,T,E]
-        top_w, top_i = jax.lax.top_k(router_probs, self.top_k)
+    def route(self, x: Float[Array, "B T D"]) -> tuple[Float[Array, "B T K"], Int[Array, "B T K"]]:
+        """Each token's top-k experts and their weights: Qwen3-MoE softmaxes all logits, then
+        takes the top k (optionally renormalised); GPT-OSS takes the top-k logits, then softmaxes them."""
+        logits = self.gate(x).astype(jnp.float32)  # [B,T,E]
+        if self.router == "topk_softmax":
+            top_l, top_i = jax.lax.top_k(logits, self.top_k)
+            return jax.nn.softmax(top_l, axis=-1), top_i
+        top_w, top_i = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), self.top_k)
         if self.norm_topk_prob:
             top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
-        e = router_probs.shape[-1]
+        return top_w, top_i
+
+    def gated(self, gate: Float[Array, "..."], up: Float[Array, "..."]) -> Float[Array, "..."]:
+        """The experts' gated activation: SiLU(gate) * up, or GPT-OSS's clamped SwiGLU
+        (up + 1) * g * sigmoid(alpha g), with g = min(gate, limit) and up within +-limit."""
+        if self.swiglu_limit is None:
+            return jax.nn.silu(gate) * up
+        gate = jnp.minimum(gate, self.swiglu_limit)
+        up = jnp.clip(up, -self.swiglu_limit, self.swiglu_limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * self.swiglu_alpha))
+
+    def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+        top_w, top_i = self.route(x)
+        e = self.gate_proj.shape[0]
         if self.impl == "grouped":
             return self._grouped(x, top_w, top_i)
         if self.impl == "gathered" and 3 * math.prod(x.shape[:2]) * self.top_k <= e:
             return self._routed_only(x, top_w, top_i)
         weights = jnp.sum(jax.nn.one_hot(top_i, e, dtype=jnp.float32) * top_w[..., None], axis=-2)
-        h = jax.nn.silu(jnp.einsum("btd,edf->btef", x, self.gate_proj[...]))
-        h = h * jnp.einsum("btd,edf->btef", x, self.up_proj[...])
-        y = jnp.einsum("btef,efd->bted", h, self.down_proj[...])
+        gate = jnp.einsum("btd,edf->btef", x, self.gate_proj[...])
+        up = jnp.einsum("btd,edf->btef", x, self.up_proj[...])
+        if self.gate_bias is not None:
+            gate, up = gate + self.gate_bias[...], up + self.up_bias[...]
+        y = jnp.einsum("btef,efd->bted", self.gated(gate, up), self.down_proj[...])
+        if self.down_bias is not None:
+            y = y + self.down_bias[...]
         return jnp.einsum("bted,bte->btd", y, weights.astype(x.dtype))
 
     def _grouped(self, x: Float[Array, "B T D"], top_w: Float[Array, "B T K"],
@@ -386,9 +470,14 @@ class MoE(nnx.Module):
         token = order // self.top_k  # the token of each sorted pair
         sizes = jnp.bincount(experts, length=self.gate_proj.shape[0]).astype(jnp.int32)
         rows = x.reshape(b * t, d)[token]  # [N*k, D], grouped by expert
-        h = jax.nn.silu(jax.lax.ragged_dot(rows, self.gate_proj[...], sizes))
-        h = h * jax.lax.ragged_dot(rows, self.up_proj[...], sizes)
-        y = jax.lax.ragged_dot(h, self.down_proj[...], sizes)  # [N*k, D]
+        gate = jax.lax.ragged_dot(rows, self.gate_proj[...], sizes)
+        up = jax.lax.ragged_dot(rows, self.up_proj[...], sizes)
+        if self.gate_bias is not None:
+            expert = experts[order]
+            gate, up = gate + self.gate_bias[...][expert], up + self.up_bias[...][expert]
+        y = jax.lax.ragged_dot(self.gated(gate, up), self.down_proj[...], sizes)  # [N*k, D]
+        if self.down_bias is not None:
+            y = y + self.down_bias[...][expert]
         y = y * top_w.reshape(-1)[order][:, None].astype(y.dtype)
         return jnp.zeros((b * t, d), y.dtype).at[token].add(y).reshape(b, t, d)
 
@@ -396,6 +485,10 @@ class MoE(nnx.Module):
                      top_i: Int[Array, "B T K"]) -> Float[Array, "B T D"]:
         """Apply only each token's top-k experts (weights gathered per token)."""
         gate, up, down = (p[...][top_i] for p in (self.gate_proj, self.up_proj, self.down_proj))
-        h = jax.nn.silu(jnp.einsum("btd,btkdf->btkf", x, gate)) * jnp.einsum("btd,btkdf->btkf", x, up)
-        y = jnp.einsum("btkf,btkfd->btkd", h, down)
+        g, u = jnp.einsum("btd,btkdf->btkf", x, gate), jnp.einsum("btd,btkdf->btkf", x, up)
+        if self.gate_bias is not None:
+            g, u = g + self.gate_bias[...][top_i], u + self.up_bias[...][top_i]
+        y = jnp.einsum("btkf,btkfd->btkd", self.gated(g, u), down)
+        if self.down_bias is not None:
+            y = y + self.down_bias[...][top_i]
         return jnp.einsum("btkd,btk->btd", y, top_w.astype(x.dtype))

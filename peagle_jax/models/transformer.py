@@ -1,7 +1,8 @@
-"""Decoder-only causal LM (llama, qwen2, qwen3, qwen3_moe) as one Flax NNX module.
+"""Decoder-only causal LM (llama, qwen2, qwen3, qwen3_moe, gpt_oss) as one Flax NNX module.
 
 The families differ only in switches of `ModelConfig`: q/k/v biases (qwen2), q/k RMSNorm
-(qwen3), routed experts (qwen3_moe), rope scaling (llama3). Layers run unrolled (a Python
+(qwen3), routed experts (qwen3_moe), rope scaling (llama3, yarn), attention sinks, sliding-window
+layers and biased experts with a clamped SwiGLU (gpt_oss). Layers run unrolled (a Python
 loop inside jit) or, once `models.layer_stack.stack_layers` has stacked them, under one
 `lax.scan` (a compile time and program memory that do not grow with depth).
 """
@@ -41,11 +42,14 @@ class DecoderLayer(nnx.Module):
             o_bias=cfg.attention_bias and cfg.architecture != "qwen2",
             qk_norm=cfg.qk_norm, eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
             rope_scaling=cfg.rope_scaling, dtype=dtype, rngs=rngs,
+            sinks=cfg.attention_sinks, window=cfg.layer_window(layer_idx),
         )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         if cfg.is_moe_layer(layer_idx):
             self.mlp = MoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
-                           cfg.num_experts_per_tok, cfg.norm_topk_prob, dtype=dtype, rngs=rngs)
+                           cfg.num_experts_per_tok, cfg.norm_topk_prob, dtype=dtype, rngs=rngs,
+                           router=cfg.moe_router, bias=cfg.moe_bias, swiglu_limit=cfg.swiglu_limit,
+                           swiglu_alpha=cfg.swiglu_alpha)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 

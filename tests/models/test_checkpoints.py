@@ -97,7 +97,7 @@ def test_untied_checkpoint_without_lm_head(make_tiny_hf, tmp_path):
     [
         (dict(model_type="gpt2"), "unsupported model_type"),
         (dict(hidden_act="gelu"), "hidden_act"),
-        (dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4)), "rope_scaling type"),
+        (dict(rope_parameters=dict(rope_type="dynamic", factor=4.0, rope_theta=1e4)), "rope_scaling type"),
         (dict(use_sliding_window=True), "sliding"),
     ],
 )

@@ -1,6 +1,6 @@
 """Parity of our Flax NNX target models with transformers (torch, fp32) as the oracle.
 
-Tiny random llama / qwen2 / qwen3 / qwen3_moe models are saved with `save_pretrained` and
+Tiny random llama / qwen2 / qwen3 / qwen3_moe / gpt_oss models are saved with `save_pretrained` and
 loaded back through `load_target`; logits, EAGLE-3 aux taps and the final hidden state are
 compared (a) for one padded full forward and (b) incrementally through the KV cache, with
 the two sequences of the batch at different positions. The slow tests at the end compare
@@ -28,6 +28,8 @@ LENS = (20, 17)  # real lengths of the two sequences
 PREFILL, STEPS, BLOCK = 10, 6, 4  # 10 + 6 + 4 = 20 tokens for the longer sequence
 LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=16)  # wavelengths straddle 4..16: all 3 regimes
+YARN_ROPE = dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                 original_max_position_embeddings=16, rope_theta=150000.0)
 
 # name -> (arch, config overrides). Tiny configs are untied unless said otherwise. The other
 # routed-expert layout (fused <-> per-expert) is checked against this one in test_checkpoints.py.
@@ -40,6 +42,11 @@ CASES = {
     # layer 0 dense (mlp_only_layers), then sparse every 2nd layer: 1, 3 MoE; 2 dense
     "qwen3_moe": ("qwen3_moe", dict(decoder_sparse_step=2, mlp_only_layers=[0])),
     "qwen3_moe_all_sparse": ("qwen3_moe", dict(norm_topk_prob=False, attention_bias=True)),
+    # sinks, sliding layers 0 and 2 (window 4), a router bias, biased experts whose clamped SwiGLU
+    # clips (limit 1 at O(1) activations), YaRN rope over a 16-position original context
+    "gpt_oss": ("gpt_oss", dict(swiglu_limit=1.0, rope_parameters=YARN_ROPE)),
+    "gpt_oss_truncated_yarn": ("gpt_oss", dict(rope_parameters=dict(YARN_ROPE, truncate=True),
+                                               layer_types=["full_attention", "sliding_attention"] * 2)),
 }
 
 
@@ -120,6 +127,9 @@ def test_config_roundtrip(case):
     arch, overrides = CASES[case.name]
     assert cfg.tie_word_embeddings == overrides.get("tie_word_embeddings", False)
     assert (case.model.lm_head is None) == cfg.tie_word_embeddings
+    if arch == "gpt_oss":
+        assert cfg.num_experts == 8 and cfg.moe_bias and cfg.attention_sinks and cfg.sliding_window == 4
+        assert cfg.sliding_layers == ((0, 2) if "layer_types" not in overrides else (1, 3))
     if arch == "qwen3_moe":
         assert cfg.num_experts == 8 and cfg.num_experts_per_tok == 2
         moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
@@ -127,7 +137,7 @@ def test_config_roundtrip(case):
         assert moe_layers == expect
         assert case.layout in ("fused", "hub")
     if "rope_parameters" in overrides:
-        assert dict(cfg.rope_scaling)["rope_type"] == "llama3"
+        assert dict(cfg.rope_scaling)["rope_type"] == overrides["rope_parameters"]["rope_type"]
     n = cfg.num_hidden_layers
     assert case.aux_ids == (min(2, n - 1), n // 2, max(n - 3, 0))
 
