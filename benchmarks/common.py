@@ -82,6 +82,15 @@ def encode_prompt(tokenizer, item: dict[str, Any]) -> list[int]:
 
 # --------------------------------------------------------------------------- models
 
+GPT_OSS: dict[str, Any] = dict(
+    architecture="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
+    num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=150000.0,
+    rope_scaling=(("beta_fast", 32.0), ("beta_slow", 1.0), ("factor", 32.0), ("original_max_position_embeddings", 4096),
+                  ("rope_type", "yarn"), ("truncate", False)),
+    max_position_embeddings=131072, attention_bias=True, num_experts_per_tok=4, moe_intermediate_size=2880,
+    moe_router="topk_softmax", moe_bias=True, swiglu_limit=7.0, attention_sinks=True, sliding_window=128,
+)
+
 #: Published shapes for synthetic (random-weight) targets. `--layers` shrinks depth.
 SHAPES: dict[str, dict[str, Any]] = {
     "llama3-8b": dict(
@@ -97,6 +106,10 @@ SHAPES: dict[str, dict[str, Any]] = {
         qk_norm=True, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
         max_position_embeddings=40960,
     ),
+    # GPT-OSS (the targets of AWS's P-EAGLE heads): sliding-window layers (128) alternate with full
+    # ones, attention sinks, YaRN RoPE, 4 of E biased experts with a clamped SwiGLU.
+    "gpt-oss-20b": dict(GPT_OSS, num_hidden_layers=24, num_experts=32, sliding_layers=tuple(range(0, 24, 2))),
+    "gpt-oss-120b": dict(GPT_OSS, num_hidden_layers=36, num_experts=128, sliding_layers=tuple(range(0, 36, 2))),
     # The default model's shape (SmolLM2-135M-Instruct), for compile and cost reports.
     "smollm2-135m": dict(
         architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -125,6 +138,8 @@ def shape_config(name: str, *, layers: int | None = None, vocab_size: int | None
     fields = dict(SHAPES[name], dtype=dtype)
     if layers:
         fields["num_hidden_layers"] = layers
+        if fields.get("sliding_layers"):  # GPT-OSS: every other layer slides, from the first
+            fields["sliding_layers"] = tuple(range(0, layers, 2))
     if vocab_size:
         fields["vocab_size"] = vocab_size
     if max_position_embeddings:

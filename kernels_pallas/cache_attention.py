@@ -64,7 +64,7 @@ def cache_attention_reference(
     skip_lo: Int[Array, "B T"] | None = None,
     skip_hi: Int[Array, "B T"] | None = None,
     sinks: Float[Array, " H"] | None = None,
-    window: int | None = None,
+    window: int | Int[Array, ""] | None = None,
     rowwise: bool | None = None,
     key_block: int = KEY_BLOCK,
 ) -> Float[Array, "B T H D"]:
@@ -157,7 +157,7 @@ def _read_block(x, scale, start, block: int, dtype) -> Float[Array, "B KVH C D"]
 def _attend(
     q: Float[Array, "B T H D"], cache: _BlockedCache, q_positions: Int[Array, "B T"], sm_scale: float,
     skip: tuple[Int[Array, "B T"], Int[Array, "B T"]] | None = None,
-    sinks: Float[Array, " H"] | None = None, window: int | None = None,
+    sinks: Float[Array, " H"] | None = None, window: int | Int[Array, ""] | None = None,
 ) -> Float[Array, "B T H D"]:
     """Causal-by-position attention of T rows; the G query heads of a kv head and the T rows
     form one [T*G, D] block per (sequence, kv head).

@@ -19,7 +19,7 @@ from peagle_jax.checkpoints.gguf_blocks import GroupTensor, group_tensor
 from peagle_jax.checkpoints.params import CheckpointError, assign_params
 from peagle_jax.models.config import ModelConfig
 from peagle_jax.models.layers import Linear
-from peagle_jax.models.transformer import CausalLM
+from peagle_jax.models.transformer import CausalLM, abstract_model
 
 _ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 
@@ -191,7 +191,7 @@ def _load(path: Path, dtype: str, *, keep_blocks: bool) -> tuple[CausalLM, dict[
                     ("factors", tuple(float(x) for x in arr)), ("rope_type", "freq_factors")))
             else:
                 tensors[t.name] = arr  # unknown: reported as unexpected, with everything else
-    model = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
+    model = abstract_model(cfg)
     bad = []
     for module_path, node in nnx.iter_graph(model):  # kept as blocks: no dequantized copy
         kept = blocks.get(".".join(map(str, module_path))) if isinstance(node, Linear) else None

@@ -15,13 +15,12 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from flax import nnx
 from safetensors import safe_open
 
 from peagle_jax.checkpoints.gpt_oss import convert_gpt_oss_tensors
 from peagle_jax.checkpoints.params import CheckpointError, assign_params
 from peagle_jax.models.config import ModelConfig
-from peagle_jax.models.transformer import CausalLM
+from peagle_jax.models.transformer import CausalLM, abstract_model
 
 # (HF regex, our path template, transpose?)
 _KEY_MAP: list[tuple[str, str, bool]] = [
@@ -145,7 +144,7 @@ def load_hf_model(model_dir: str | Path, *, dtype: str = "float32") -> CausalLM:
                 tensor = np.asarray(fh.get_tensor(key))
                 # integers stay as they are: GPT-OSS's MXFP4 blocks and scales (checkpoints.gpt_oss)
                 named[key] = tensor if np.issubdtype(tensor.dtype, np.integer) else tensor.astype(np.float32)
-    model = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
+    model = abstract_model(cfg)
     problems: dict[str, list[str]] = {}
     tensors = convert_hf_tensors(named, cfg, strict=False, problems=problems)
     missing_experts = problems.get("missing", [])

@@ -109,7 +109,7 @@ def cache_attention(
     interpret: bool = False,
     layer: Int[Array, ""] | None = None,
     sinks: Float[Array, " H"] | None = None,
-    window: int | None = None,
+    window: int | Int[Array, ""] | None = None,
 ) -> Float[Array, "B T H D"]:
     """Query row (b, t) attends to cache rows s <= q_positions[b, t], outside [skip_lo, skip_hi)
     when given (both or neither), with the implementation `resolve_implementation` picks.

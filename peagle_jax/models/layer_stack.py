@@ -54,9 +54,6 @@ def stack_blocker(model) -> str | None:
         return None
     if getattr(model, "mesh", None) is not None:
         return "it does not run on a mesh yet (the sharding rules name per-layer parameters)"
-    windows = {layer.self_attn.window for layer in model.layers}
-    if len(windows) > 1:
-        return "its layers alternate sliding-window and full attention (GPT-OSS)"
     splits = [nnx.split(layer) for layer in model.layers]
     if len(splits) < 2:
         return "the model has fewer than two layers"

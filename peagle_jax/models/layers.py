@@ -245,6 +245,16 @@ def apply_rope(x: Float[Array, "B T N D"], angles: RotaryAngles) -> Float[Array,
     return out.astype(x.dtype)
 
 
+class AttentionWindow(nnx.Variable):
+    """How many positions a layer attends back over, held as data rather than as a static
+    attribute, so that layers with different windows (GPT-OSS alternates 128 and all) still
+    stack into one scan (`models.layer_stack`). Not trained."""
+
+
+FULL_WINDOW = 1 << 30
+"""The window of a full-attention layer in a model that has sliding ones: beyond any position."""
+
+
 class Attention(nnx.Module):
     """GQA self-attention over a KV cache indexed by absolute position."""
 
@@ -266,11 +276,13 @@ class Attention(nnx.Module):
         rngs: nnx.Rngs,
         sinks: bool = False,
         window: int | None = None,
+        windowed: bool = False,
     ):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        # GPT-OSS: a learned sink logit per head, and sliding-window layers (cache_attention_reference)
+        # GPT-OSS: a learned sink logit per head, and sliding-window layers (cache_attention_reference).
+        # In a model with any sliding layer (`windowed`) every layer holds its window, FULL_WINDOW if none.
         self.sinks = nnx.Param(jnp.zeros((num_heads,), dtype)) if sinks else None
-        self.window = window
+        self.window = AttentionWindow(jnp.int32(FULL_WINDOW if window is None else window)) if windowed else None
         self.q_proj = Linear(d_in, num_heads * head_dim, bias=qkv_bias, dtype=dtype, rngs=rngs)
         self.k_proj = Linear(d_in, num_kv_heads * head_dim, bias=qkv_bias, dtype=dtype, rngs=rngs)
         self.v_proj = Linear(d_in, num_kv_heads * head_dim, bias=qkv_bias, dtype=dtype, rngs=rngs)
@@ -347,7 +359,8 @@ class Attention(nnx.Module):
         if self.window is not None and skip is not None:
             # a tree verify's second chain lies at other cache rows than its positions
             raise ValueError("a sliding-window layer cannot run a tree verify: its window counts cache rows")
-        return {"sinks": None if self.sinks is None else self.sinks[...], "window": self.window}
+        return {"sinks": None if self.sinks is None else self.sinks[...],
+                "window": None if self.window is None else self.window[...]}
 
 
 def silu(x: Float[Array, "..."]) -> Float[Array, "..."]:

@@ -20,7 +20,7 @@ from peagle_jax import kernels
 from peagle_jax.cache import KVCache, shard_cache
 from peagle_jax.models.config import ModelConfig
 from peagle_jax.models.layer_stack import run_stacked
-from peagle_jax.models.layers import MLP, Attention, MoE, RMSNorm, packed_matmul
+from peagle_jax.models.layers import FULL_WINDOW, MLP, Attention, MoE, RMSNorm, packed_matmul
 
 
 class ForwardOutput(NamedTuple):
@@ -42,7 +42,7 @@ class DecoderLayer(nnx.Module):
             o_bias=cfg.attention_bias and cfg.architecture != "qwen2",
             qk_norm=cfg.qk_norm, eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
             rope_scaling=cfg.rope_scaling, dtype=dtype, rngs=rngs,
-            sinks=cfg.attention_sinks, window=cfg.layer_window(layer_idx),
+            sinks=cfg.attention_sinks, window=cfg.layer_window(layer_idx), windowed=bool(cfg.sliding_layers),
         )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         if cfg.is_moe_layer(layer_idx):
@@ -147,6 +147,17 @@ class CausalLM(nnx.Module):
             x, kv = layer(x, positions, cache.layers[i], slots, skip, angles)
             new_layers.append(kv)
         return x, cache._replace(layers=tuple(new_layers)), taps
+
+
+def abstract_model(cfg: ModelConfig) -> CausalLM:
+    """A CausalLM whose parameters are shapes only (`nnx.eval_shape`), for a checkpoint loader
+    to fill; its constants, the attention windows, are concrete already."""
+    model = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
+    for i, layer in enumerate(model.layers):
+        if layer.self_attn.window is not None:
+            window = cfg.layer_window(i)
+            layer.self_attn.window.value = jnp.int32(FULL_WINDOW if window is None else window)
+    return model
 
 
 def create_model(cfg: ModelConfig, seed: int = 0) -> CausalLM:

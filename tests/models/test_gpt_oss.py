@@ -128,10 +128,24 @@ def test_moe_paths_match_dense(impl):
         np.testing.assert_allclose(np.asarray(moe_o(x)), np.asarray(moe_d(x)), rtol=1e-5, atol=1e-5)
 
 
-def test_alternating_windows_run_unrolled():
-    model = create_model(_tiny_oss_config())
-    assert "sliding-window" in stack_blocker(model)
-    assert stack_blocker(create_model(_tiny_oss_config(sliding_layers=()))) is None
+def test_alternating_windows_scan_as_unrolled():
+    """Sliding and full layers hold their windows as data, so they stack: the scanned forward
+    gives the unrolled one's logits (float32), prefill and decode steps past the window."""
+    import jax.numpy as jnp
+
+    from peagle_jax.models.layer_stack import stack_layers
+
+    cfg = _tiny_oss_config(num_hidden_layers=4, sliding_layers=(0, 2))
+    unrolled, scanned = create_model(cfg, seed=6), create_model(cfg, seed=6)
+    assert stack_blocker(scanned) is None
+    stack_layers(scanned)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, 14)), jnp.int32)
+    caches = [m.init_cache(2, 32) for m in (unrolled, scanned)]
+    for lo, hi in ((0, 9), (9, 10), (10, 14)):
+        pos = jnp.broadcast_to(jnp.arange(lo, hi), (2, hi - lo))
+        outs = [m(tokens[:, lo:hi], pos, c) for m, c in zip((unrolled, scanned), caches, strict=True)]
+        caches = [o.cache for o in outs]
+        np.testing.assert_allclose(np.asarray(outs[1].logits), np.asarray(outs[0].logits), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -156,7 +170,7 @@ def test_speculative_equals_plain_with_an_aws_layout_head(tiny_hf_dirs, tmp_path
     plain = load(str(plain_dir), method="none", dtype=dtype).generate(prompts, **kw).tokens
     llm = load(str(plain_dir), drafter=str(head_dir), method="peagle", num_draft_tokens=3, dtype=dtype)
     assert llm.drafter.config.num_hidden_layers == 4 and llm.drafter.config.draft_vocab_size == target.config.vocab_size
-    assert llm.options["layer_loop"] == "unrolled"
+    assert llm.options["layer_loop"] == "scan"
     assert llm.generate(prompts, **kw).tokens == plain
     assert load(str(plain_dir), method="ngram", num_draft_tokens=3, dtype=dtype).generate(prompts, **kw).tokens == plain
 
