@@ -91,7 +91,7 @@ stage_kernels() {  # ~6 min: tests <= 300 s (55 of 59 ran in 150 s on 2026-12-04
   local d=$WORK/kernels; mkdir -p "$d"
   echo "== kernel tests on the GPU (Triton + Mosaic vs XLA: GQA, ragged positions, FP8 K/V, lowering)"
   local rc=0
-  timeout "${TESTS_TIMEOUT_S:-300}" "$PY" -m pytest -q -p no:cacheprovider --timeout=120 -m "slow or not slow" tests/kernels/test_kernels_cache_attention.py 2>&1 | tee "$d/tests.log" \
+  timeout "${TESTS_TIMEOUT_S:-300}" "$PY" -m pytest -q -p no:cacheprovider --timeout=120 -m "slow or not slow" tests/kernels/test_kernels_cache_attention.py tests/kernels/test_kernels_stacked_attention.py 2>&1 | tee "$d/tests.log" \
     || rc=1
   echo "tests rc=$rc" | tee -a "$d/tests.log"
   # Mosaic GPU compiles take 15-20 s per shape (measured), so Triton and XLA cover every shape
@@ -133,8 +133,11 @@ stage_seed() {  # ~2.5 min (+ ~2.5 min with SEED_FP8=1)
               --eagle3-ks 3 --peagle-ks 7 --prompt-len 128 --max-new-tokens "${SEED_TOKENS:-128}" --repeats 3
               --moe "${SEED_MOE:-grouped}" --layer-loop "${SEED_LAYER_LOOP:-scan}")
   local rc=0
-  echo "== seed-shaped synthetic, XLA attention, bf16 KV cache"
-  timeout 200 "$PY" -m benchmarks.synthetic "${args[@]}" --batch-sizes 1 16 --out "$d/bf16kv" 2>&1 \
+  # The GPU default attention (`load`): auto, the Pallas kernels; under the scan the Triton kernel
+  # reads each layer of the stacked cache in place. SEED_ATTENTION=xla for the reference.
+  echo "== seed-shaped synthetic, ${SEED_ATTENTION:-auto} attention, bf16 KV cache"
+  timeout 200 "$PY" -m benchmarks.synthetic "${args[@]}" --batch-sizes 1 16 --attention "${SEED_ATTENTION:-auto}" \
+    --out "$d/bf16kv" 2>&1 \
     | tee "$d/seed.log" || rc=1
   if [ "${SEED_FP8:-0}" = 1 ]; then  # Pallas programs compile in ~60 s each on jax 0.11 (measured)
     echo "== seed-shaped synthetic, Pallas attention + FP8 KV cache, batch 1"

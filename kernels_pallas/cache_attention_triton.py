@@ -63,8 +63,15 @@ def _kernel(
     compute_dtype,
     precision,
     skip: bool,
+    stacked: bool = False,
 ):
     q_ref, k_ref, v_ref, pos_ref, *refs = refs
+    # stacked: the refs hold every layer of this (sequence, kv head); one indexer reads a block of
+    # the one layer in place (Triton's lowering takes a single indexer per load)
+    at = ()
+    if stacked:
+        layer_ref, *refs = refs
+        at = (layer_ref[0],)
     lo_ref = hi_ref = ks_ref = vs_ref = None
     if skip:
         lo_ref, hi_ref, *refs = refs
@@ -103,7 +110,7 @@ def _kernel(
         acc, m_prev, l_prev = carry
         start = pl.multiple_of(j * block_k, block_k)
         kslice = pl.ds(start, block_k)
-        k = k_ref[kslice, :]
+        k = k_ref[(*at, kslice, slice(None))]
         if k.dtype != compute_dtype:
             k = k.astype(compute_dtype)
         s = pltriton.dot(q, k, trans_b=True, precision=precision)  # [BM, BK] f32
@@ -122,7 +129,7 @@ def _kernel(
         l_next = l_prev * alpha + jnp.sum(p, axis=1)
         if scale_mode == "per_token":
             p = p * vs_ref[kslice].astype(jnp.float32)[None, :]
-        v = v_ref[kslice, :]
+        v = v_ref[(*at, kslice, slice(None))]
         if v.dtype != compute_dtype:
             v = v.astype(compute_dtype)
         pv = pltriton.dot(p.astype(compute_dtype), v, precision=precision)
@@ -174,10 +181,21 @@ def cache_attention_triton(
     num_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
+    layer=None,
 ):
-    """Pallas (Triton lowering) cache attention; see the module docstring."""
-    b, t, h, d = q.shape
-    _, kvh, s, dk = k_cache.shape
+    """Pallas (Triton lowering) cache attention; see the module docstring. ``layer``: the caches
+    are a scanned target's stacks [B, L, KVH, S, D] and the kernel reads that layer in place (no
+    slice of the stack is copied out; unscaled caches whose S is a multiple of 16)."""
+    stacked = layer is not None
+    if stacked:
+        if k_scale is not None or v_scale is not None or k_cache.shape[3] % 16:
+            raise ValueError("a layer of stacked caches is read in place only without scales and with S % 16 == 0")
+        num_layers = k_cache.shape[1]
+        b, t, h, d = q.shape
+        _, _, kvh, s, dk = k_cache.shape
+    else:
+        b, t, h, d = q.shape
+        _, kvh, s, dk = k_cache.shape
     if dk != d or v_cache.shape != k_cache.shape or k_cache.shape[0] != b:
         raise ValueError(f"shape mismatch: q {q.shape}, k {k_cache.shape}, v {v_cache.shape}")
     if h % kvh:
@@ -203,7 +221,7 @@ def cache_attention_triton(
         padw = ((0, 0), (0, 0), (0, s_pad - s), (0, 0))
         k_cache, v_cache = jnp.pad(k_cache, padw), jnp.pad(v_cache, padw)
         bk = 16
-    s_eff = k_cache.shape[2]
+    s_eff = k_cache.shape[-2]
 
     scale_mode, ks, vs = prepare_scales(k_scale, v_scale, b, s, kvh)
     if scale_mode == "per_token" and s_eff != s:
@@ -225,13 +243,20 @@ def cache_attention_triton(
     del kv_dtype
 
     grid = (b, kvh, n_q, num_splits)
+    if stacked:  # every layer of this (sequence, kv head); the kernel indexes one
+        kv_spec = pl.BlockSpec((None, num_layers, None, s_eff, d), lambda i, j, qb, sp: (i, 0, j, 0, 0))
+    else:
+        kv_spec = pl.BlockSpec((None, None, s_eff, d), lambda i, j, qb, sp: (i, j, 0, 0))
     in_specs = [
         pl.BlockSpec((None, None, bm, d), lambda i, j, qb, sp: (i, j, qb, 0)),
-        pl.BlockSpec((None, None, s_eff, d), lambda i, j, qb, sp: (i, j, 0, 0)),
-        pl.BlockSpec((None, None, s_eff, d), lambda i, j, qb, sp: (i, j, 0, 0)),
+        kv_spec,
+        kv_spec,
         pl.BlockSpec((None, bm), lambda i, j, qb, sp: (i, qb)),
     ]
     args = [qr, k_cache, v_cache, pos]
+    if stacked:
+        in_specs.append(pl.BlockSpec((1,), lambda i, j, qb, sp: (0,)))
+        args.append(jnp.reshape(layer, (1,)).astype(jnp.int32))
     skip = skip_lo is not None
     if skip != (skip_hi is not None):
         raise ValueError("skip_lo and skip_hi go together: pass both or neither")
@@ -272,6 +297,7 @@ def cache_attention_triton(
         compute_dtype=compute_dtype,
         precision=precision,
         skip=skip,
+        stacked=stacked,
     )
     outs = pl.pallas_call(
         kernel,

@@ -227,6 +227,8 @@ def _check_head(opts: Options, head_spec: str | None) -> None:
 
 def _load_target(opts: Options, head_spec: str | None) -> LoadedModel:
     """The target and tokenizer, with the kernel / FP8 options, placed on the mesh."""
+    import jax
+
     from peagle_jax.checkpoints import load_target
     from peagle_jax.checkpoints.default_model import DEFAULT_MODEL_NAME, resolve_model_path
     from peagle_jax.checkpoints.known_models import known_model
@@ -254,6 +256,8 @@ def _load_target(opts: Options, head_spec: str | None) -> LoadedModel:
     if opts.experimental.fp8_weights:
         quantize_weights_fp8(target)
     attention = opts.attention
+    if attention is None and jax.default_backend() == "gpu":
+        attention = "auto"  # the Pallas kernels (Mosaic on sm_90+, else Triton), as docs/gpu.md measures
     configure_inference(target, attention=attention, kv_cache_dtype=opts.kv_cache_dtype)
     matmul_path = "xla" if device_mesh is not None else choose_matmul(target, opts.matmul, file_weights=file_weights)
     if attention is None and matmul_path == "cpu_kernel":

@@ -77,8 +77,8 @@ class Options(BaseModel):
                                           "where the lookup has no match (default: K)")
     mesh: str | None = Field(None, description="devices, e.g. 'model=4' or 'data=2,model=4' (default: one)")
     attention: Literal["xla", "cpu", "triton", "mosaic", "auto"] | None = Field(
-        None, description="cache attention (Pallas kernels on GPU; default: cpu, the C++ kernel, where the "
-        "matmuls run on the CPU kernel, else xla)")
+        None, description="cache attention (default: auto, the Pallas kernels, on a GPU; cpu, the C++ kernel, "
+        "where the matmuls run on the CPU kernel; else xla)")
     kv_cache_dtype: Literal["float32", "bfloat16", "float8_e4m3fn"] | None = Field(
         None, description="KV cache dtype (default: the model dtype)")
     matmul: Literal["auto", "xla", "cpu_kernel"] = Field(

@@ -117,9 +117,10 @@ def cache_attention(
     ``implementation``: "xla" | "cpu" | "triton" | "mosaic" | "auto" (None: "xla");
     ``interpret=True`` runs a requested Pallas kernel in interpret mode (CPU tests). A scaled
     (FP8) cache keeps the reference under "cpu". ``layer``: the caches are a scanned target's
-    stacks [B, L, KVH, S, D]; the CPU kernel reads that layer in place, the others get it sliced
-    out (unscaled caches only). ``sinks`` and ``window`` (GPT-OSS's attention sinks and sliding
-    window, `cache_attention_reference`) run on the XLA reference: no kernel takes them yet."""
+    stacks [B, L, KVH, S, D]; the CPU kernel and the Triton kernel (also where "mosaic" was
+    resolved) read that layer in place, the reference gets it sliced out (unscaled caches only).
+    ``sinks`` and ``window`` (GPT-OSS's attention sinks and sliding window,
+    `cache_attention_reference`) run on the XLA reference: no kernel takes them yet."""
     _check(implementation)
     if sinks is not None or window is not None:
         if implementation not in (None, "xla"):
@@ -139,10 +140,27 @@ def cache_attention(
                                                skip_hi=skip_hi, layer=layer)
         implementation = "xla"
     if layer is not None:
+        if _triton_reads_layer(implementation, q, k_cache, interpret):
+            from kernels_pallas.cache_attention_triton import cache_attention_triton
+
+            return cache_attention_triton(q, k_cache, v_cache, q_positions, sm_scale=sm_scale, skip_lo=skip_lo,
+                                          skip_hi=skip_hi, interpret=interpret, layer=layer)
         k_cache, v_cache = (jax.lax.dynamic_index_in_dim(c, layer, axis=1, keepdims=False) for c in (k_cache, v_cache))
     return pallas_cache_attention(q, k_cache, v_cache, q_positions, k_scale=k_scale, v_scale=v_scale,
                                   sm_scale=sm_scale, skip_lo=skip_lo, skip_hi=skip_hi,
                                   implementation=implementation, interpret=interpret)
+
+
+def _triton_reads_layer(implementation: str | None, q, k_stack, interpret: bool) -> bool:
+    """Whether a Pallas kernel serves this call on a stacked cache, so the Triton kernel reads the
+    layer in place: slicing it out would copy the layer's whole cache before every call. A
+    resolved "mosaic" (sm_90+) is served by Triton here too; Mosaic reads only a plain cache."""
+    impl = resolve_implementation(implementation, q_dtype=q.dtype, kv_dtype=k_stack.dtype, head_dim=q.shape[-1],
+                                  seq_len=k_stack.shape[3], interpret=interpret)
+    from kernels_pallas import cache_attention_triton as triton
+
+    return (impl in ("triton", "mosaic") and k_stack.shape[3] % 16 == 0
+            and triton.supports(q.dtype, k_stack.dtype, q.shape[-1]) is None)
 
 
 def backend(name: str, *, interpret: bool = False) -> Callable[..., Float[Array, "B T H D"]]:
