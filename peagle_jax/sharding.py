@@ -93,7 +93,12 @@ def logical_to_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: 
 
 
 def _param_rule(path: str, ndim: int) -> tuple[str | None, ...] | None:
-    """Logical axes of the first PARAM_AXES rule naming `path` at this rank; None if none does."""
+    """Logical axes of the first PARAM_AXES rule naming `path` at this rank; None if none does.
+    A scanned target's stacked layers (`layer_stack.*`, [L, ...]) follow their layer's rule
+    with the layer axis unsplit."""
+    if path.startswith("layer_stack."):
+        axes = _param_rule("layers.0." + path.removeprefix("layer_stack."), ndim - 1)
+        return None if axes is None else (None, *axes)
     for pattern, axes in PARAM_AXES:
         if re.fullmatch(pattern, path) and len(axes) == ndim:
             return axes

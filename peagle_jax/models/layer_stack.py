@@ -52,8 +52,6 @@ def stack_blocker(model) -> str | None:
     """Why `stack_layers` cannot stack this target's layers (None: it can)."""
     if model.layer_stack is not None:
         return None
-    if getattr(model, "mesh", None) is not None:
-        return "it does not run on a mesh yet (the sharding rules name per-layer parameters)"
     splits = [nnx.split(layer) for layer in model.layers]
     if len(splits) < 2:
         return "the model has fewer than two layers"

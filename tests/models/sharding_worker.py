@@ -15,6 +15,7 @@ from peagle_jax.drafters.hybrid import HybridProposer
 from peagle_jax.drafters.ngram import NgramProposer
 from peagle_jax.generate import speculative_generate
 from peagle_jax.models import ModelConfig, create_model
+from peagle_jax.models.options import configure_inference
 from peagle_jax.sharding import make_mesh, shard_module
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [5, 6]]
@@ -37,7 +38,12 @@ def _spec(x) -> list:
 
 
 def run(mesh_spec: str | None, arch: str) -> dict:
+    """`arch` with a "_scan" suffix: the target's layers stacked under one scan (before sharding,
+    as `load` does)."""
+    arch, scan = arch.removesuffix("_scan"), arch.endswith("_scan")
     target, drafter = build(arch)
+    if scan:
+        configure_inference(target, layer_loop="scan")
     mesh = make_mesh(mesh_spec)
     shard_module(target, mesh)
     shard_module(drafter, mesh)
@@ -49,8 +55,9 @@ def run(mesh_spec: str | None, arch: str) -> dict:
     hybrid = HybridProposer(drafter, NgramProposer(1, 3), head_draft_tokens=1, two_chains=True)
     r = speculative_generate(target, hybrid, PROMPTS, method="peagle+ngram", num_draft_tokens=3, max_new_tokens=12)
     out["peagle+ngram/2c"] = r.tokens
-    q = target.layers[0].self_attn.q_proj.kernel.value
-    down = target.layers[0].mlp.down_proj
+    layer = target.layer_stack if scan else target.layers[0]  # stacked: [L, ...], the layer axis whole
+    q = layer.self_attn.q_proj.kernel.value
+    down = layer.mlp.down_proj
     down = down.kernel.value if hasattr(down, "kernel") else down.value
     dq = drafter.layers[0].self_attn.q_proj.kernel.value
     if mesh is None:

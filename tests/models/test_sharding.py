@@ -53,6 +53,18 @@ def test_parameters_really_sharded(llama_runs, spec):
     assert s["embed"] == [["model", None], [128 // model, 64]]
 
 
+def test_scanned_layers_sharded_and_identical(llama_runs):
+    """The layers stacked under one scan, on two meshes: every method's greedy output equals the
+    unsharded scan's and the unrolled model's; the stacked weights keep their layer axis whole."""
+    runs = _run_worker("llama_scan", ["none", "model=4", "data=2,model=4"])
+    for spec in ("model=4", "data=2,model=4"):
+        for method in ("none", "eagle3", "peagle", "peagle+ngram/2c"):
+            assert runs[spec][method] == runs["none"][method] == llama_runs["none"][method], (spec, method)
+    s = runs["model=4"]["shardings"]
+    assert s["q_proj"][0] == [None, None, "model"] and s["q_proj"][1] == [3, 64, 128 // 4]
+    assert s["down_proj"] == [[None, "model", None], [3, 128 // 4, 64]]
+
+
 @pytest.mark.slow
 def test_moe_experts_sharded_and_identical():
     runs = _run_worker("qwen3_moe", ["none", "model=4"])

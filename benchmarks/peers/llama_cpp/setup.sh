@@ -7,7 +7,8 @@
 #
 # Where: $LLAMA_CPP_PEER_DIR, default <repo>/../runs/peers/llama_cpp, holds venv/.
 # How it is built: GGML_NATIVE=OFF with the vector sets this CPU has (AVX2/FMA/F16C, and
-# AVX-512 where present) and AMX off: the native build's AMX path segfaulted on these machines.
+# AVX-512 with its VBMI / VNNI / BF16 extensions and AVX-VNNI where present) and AMX off: the
+# native build's AMX path segfaulted on these machines.
 set -euo pipefail
 T0=$(date +%s)
 REPO=$(cd "$(dirname "$0")/../../.." && pwd)
@@ -31,7 +32,9 @@ if ! "$PY" -c 'import llama_cpp' 2>/dev/null; then
   flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)
   has() { case " $flags " in *" $1 "*) echo ON ;; *) echo OFF ;; esac; }
   CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=$(has avx) -DGGML_AVX2=$(has avx2) -DGGML_FMA=$(has fma) -DGGML_F16C=$(has f16c)"
-  CMAKE_ARGS+=" -DGGML_AVX512=$(has avx512f) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+  CMAKE_ARGS+=" -DGGML_AVX512=$(has avx512f) -DGGML_AVX512_VBMI=$(has avx512vbmi) -DGGML_AVX512_VNNI=$(has avx512_vnni)"
+  CMAKE_ARGS+=" -DGGML_AVX512_BF16=$(has avx512_bf16) -DGGML_AVX_VNNI=$(has avx_vnni)"
+  CMAKE_ARGS+=" -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
   say "building llama-cpp-python==$VERSION from source: CMAKE_ARGS=$CMAKE_ARGS"
   CMAKE_ARGS="$CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) pip_q install -q --no-cache-dir \
     --no-binary llama-cpp-python "llama-cpp-python==$VERSION"
