@@ -4,7 +4,7 @@ committed shards (`train/shards.py`), resumably.
   python -m peagle_jax.train.generate_data --model qwen2.5-coder-1.5b-instruct
       [--out data/selfdistill/<model>] [--split train|val] [--target-tokens 1000000]
       [--batch 16] [--max-new-tokens 320] [--shard-tokens 50000] [--magpie 3000]
-      [--follow-up-share 0.2] [--commit]
+      [--follow-up-share 0.2] [--commit] [load's settings: --dtype, --target-weights, ...]
 
 Stages, each resuming from what the data folder already holds:
   1. magpie_{split}.jsonl  user turns the instruct target writes itself: its chat template up
@@ -36,6 +36,9 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from pydantic import ValidationError
+
+from peagle_jax.options import add_option_flags, options_from_args, settings_error
 from peagle_jax.train.prompts import FOLLOW_UPS, Prompt, build_prompts
 from peagle_jax.train.shards import Record, read_records, write_manifest, write_shard
 
@@ -266,7 +269,6 @@ def _git_commit(folder: Path, message: str, attempts: int = 5) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m peagle_jax.train.generate_data", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="default", help="a model name or path (as `load`'s)")
     ap.add_argument("--out", default=None, help="data folder (default data/selfdistill/<model name>); reruns resume")
     ap.add_argument("--split", choices=("train", "val"), default="train")
     ap.add_argument("--target-tokens", type=int, default=1_000_000, help="answer tokens to write (first turns)")
@@ -275,9 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shard-tokens", type=int, default=50_000, help="answer tokens per shard")
     ap.add_argument("--magpie", type=int, default=3000, help="self-written user turns to add (0: none)")
     ap.add_argument("--follow-up-share", type=float, default=0.2)
-    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--commit", action="store_true", help="git-commit each shard as soon as it is written")
+    # the model and how it runs: `load`'s settings (--model, --dtype, --target-weights, ...)
+    add_option_flags(ap, skip=("method", "drafter", "num_draft_tokens"))
     a = ap.parse_args(argv)
     if min(a.batch, a.max_new_tokens, a.target_tokens, a.shard_tokens) < 1 or not 0 <= a.follow_up_share <= 1:
         ap.error("--batch, --max-new-tokens, --target-tokens and --shard-tokens must be >= 1; "
@@ -287,7 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     from peagle_jax.compile_cache import enable_compilation_cache
 
     enable_compilation_cache()  # a resumed run loads its compiled programs instead of compiling them again
-    llm = load(a.model, method="none", dtype=a.dtype)
+    try:
+        options = options_from_args(a).replace(method="none")
+    except ValidationError as e:
+        ap.error(settings_error(e))
+    llm = load(options=options)
     answerer = _Answerer(llm, batch=a.batch, max_new_tokens=a.max_new_tokens)
     folder = Path(a.out) if a.out else Path("data/selfdistill") / llm.model_name
     folder.mkdir(parents=True, exist_ok=True)
@@ -298,14 +305,19 @@ def main(argv: list[str] | None = None) -> int:
                                                       batch=a.batch, seed=a.seed, answerer=answerer))
         if a.commit:
             _git_commit(folder, f"data: {llm.model_name} magpie user turns ({a.split})")
+    weights = llm.options.get("target_weights", "bf16")
     header = {"model": llm.model_name, "model_file": llm.model_path.name, "model_sha256": file_sha256(llm.model_path),
-              "python": sys.version.split()[0], "settings": {k: v for k, v in vars(a).items() if k != "commit"},
-              # the file's own blocks or bf16 (Options.target_weights): greedy answers can differ
-              "target_weights": llm.options.get("target_weights", "bf16"),
+              "python": sys.version.split()[0],
+              "settings": {k: v for k, v in vars(a).items() if k != "commit" and v is not None},
+              # the file's own blocks or bf16 (Options.target_weights): greedy answers can differ at near-ties,
+              # so each shard records what wrote it (a resumed run may choose the faster one for its host)
+              "target_weights": weights,
+              "target_weights_by_shard": _weights_by_shard(folder),
               "mix": dict(Counter(p.domain for p in prompts)),
               "command": "python -m peagle_jax.train.generate_data " + " ".join(argv or sys.argv[1:])}
 
     def on_shard(path: Path) -> None:
+        header["target_weights_by_shard"][path.name] = weights
         manifest = write_manifest(folder, header)
         if a.commit:
             _git_commit(folder, f"data: {llm.model_name} {path.name} "
@@ -318,6 +330,20 @@ def main(argv: list[str] | None = None) -> int:
     write_manifest(folder, header)
     print(json.dumps(summary["answer_tokens"]), summary["total_answer_tokens"])
     return 0
+
+
+def _weights_by_shard(folder: Path) -> dict[str, str]:
+    """{shard file: the target weights that wrote it} from an earlier run's manifest (shards
+    written before this was recorded take the run's single `target_weights`)."""
+    path = folder / "manifest.json"
+    if not path.exists():
+        return {}
+    old = json.loads(path.read_text())
+    known = dict(old.get("target_weights_by_shard") or {})
+    for split in ("train", "val"):
+        for shard in (old.get(split) or {}).get("shards", []):
+            known.setdefault(shard["file"], old.get("target_weights", "bf16"))
+    return known
 
 
 def _interleave(a: list[Prompt], b: list[Prompt]) -> list[Prompt]:

@@ -134,3 +134,21 @@ def test_self_written_user_turns_are_english_prose():
     for bad in ["static_cast也是一个提升可读性的辅助工具吗？", "#include <vector>\nint main() {}", "short",
                 "<|im_start|>user something long enough", "x" * 401]:
         assert not good_user_turn(bad), bad
+
+
+def test_each_shard_keeps_the_weights_that_wrote_it(tmp_path):
+    """A resumed run may switch target weights (the faster on its host): shards written before
+    keep the earlier run's setting, recorded or not."""
+    import json
+
+    from peagle_jax.train.generate_data import _weights_by_shard
+
+    assert _weights_by_shard(tmp_path) == {}
+    old = {"target_weights": "file", "train": {"shards": [{"file": "train-00000.npz"}, {"file": "train-00001.npz"}]},
+           "val": {"shards": []}}
+    (tmp_path / "manifest.json").write_text(json.dumps(old))
+    assert _weights_by_shard(tmp_path) == {"train-00000.npz": "file", "train-00001.npz": "file"}
+    old["target_weights_by_shard"] = {"train-00000.npz": "file", "train-00001.npz": "bf16"}
+    old["target_weights"] = "bf16"
+    (tmp_path / "manifest.json").write_text(json.dumps(old))
+    assert _weights_by_shard(tmp_path)["train-00001.npz"] == "bf16"
