@@ -3,9 +3,11 @@
     python -m peagle_jax.train.evaluate --run_dir ../runs/peagle_smollm2 [--head EXPORTED_DIR] \
         [--num_draft_tokens 5] [--prompts 16] [--max_new_tokens 128] [--batch 8]
 
-Prompts are the validation split of the self-distillation prompts (stdlib functions held out
-by file), rendered with the target's chat template. Prints one JSON line: mean acceptance
-length and per-position acceptance rates (`speculative_generate`, greedy).
+Prompts are held out from training: for `data.source: generated` the first turns of the data
+folder's val split (`generate_data --split val`, prompts the training split never saw), else
+the validation split of the self-distillation prompts (stdlib functions held out by file),
+rendered with the target's chat template. Prints one JSON line: mean acceptance length and
+per-position acceptance rates (`speculative_generate`, greedy).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ def main(argv=None):
     if tok is None:
         rng = np.random.default_rng(123)
         prompts = [rng.integers(1, target.config.vocab_size - 1, 4).tolist() for _ in range(a.prompts)]
+    elif cfg.data.source == "generated":
+        prompts = held_out_prompts(cfg.data.generated_dir, a.prompts)
     else:
         pairs = stdlib_function_prompts(split="val", val_percent=cfg.data.val_percent, limit=a.prompts)
         prompts = [encode_text(tok, tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
@@ -61,6 +65,19 @@ def main(argv=None):
     print(json.dumps({"step": step, "method": method, "num_draft_tokens": k, "prompts": len(prompts),
                       "mean_acceptance_length": float((rounds + acc.sum()) / max(rounds, 1)),
                       "acceptance_rate_per_position": (acc / max(rounds, 1)).round(4).tolist()}))
+
+
+def held_out_prompts(generated_dir: str, count: int) -> list[list[int]]:
+    """The first `count` first-turn prompts of a generate_data folder's val split, spread over
+    its domains in the order the generator wrote them (its prompts are shuffled once)."""
+    from pathlib import Path
+
+    from peagle_jax.train.shards import read_records, shard_paths
+
+    if not shard_paths(Path(generated_dir), "val"):
+        raise FileNotFoundError(f"{generated_dir} holds no val shards; write them first with: python -m "
+                                f"peagle_jax.train.generate_data --out {generated_dir} --split val")
+    return [list(r.prompt) for r in read_records(Path(generated_dir), "val") if r.turn == 1][:count]
 
 
 if __name__ == "__main__":

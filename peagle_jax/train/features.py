@@ -160,7 +160,9 @@ def _bucket(n: int, lo: int = 32) -> int:
 class FeatureStore:
     """Read side of the shards: per-document tokens, loss mask, taps and final hidden state."""
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, limit: int | None = None):
+        """`limit`: read only the first `limit` documents (a run capped by `data.max_docs` on
+        features extracted for more; the documents are in the same order either way)."""
         self.root = Path(root)
         meta = json.loads((self.root / "meta.json").read_text())
         self.meta = meta
@@ -173,6 +175,11 @@ class FeatureStore:
             self.shards.append(arrs)
             for off, ln in np.asarray(arrs["docs"]):
                 self.docs.append((i, int(off), int(ln)))
+        if limit is not None:
+            if limit > len(self.docs):
+                raise ValueError(f"{self.root} holds features of {len(self.docs)} documents, fewer than the {limit} "
+                                 "this run reads; extract them again (python -m peagle_jax.train.features)")
+            self.docs = self.docs[:limit]
 
     def __len__(self):
         return len(self.docs)
@@ -229,8 +236,9 @@ class ConcatStore:
         return self.stores[k].get(j, with_features)
 
 
-def open_train_store(cfg: TrainConfig, own: Path) -> FeatureStore | ConcatStore:
-    """This config's training shards plus any `data.extra_train_features` folders."""
+def open_train_store(cfg: TrainConfig, own: Path, limit: int | None = None) -> FeatureStore | ConcatStore:
+    """This config's training shards (the first `limit` documents) plus any
+    `data.extra_train_features` folders."""
     extra = []
     for p in cfg.data.extra_train_features:
         root = Path(p)
@@ -238,7 +246,7 @@ def open_train_store(cfg: TrainConfig, own: Path) -> FeatureStore | ConcatStore:
             raise FileNotFoundError(f"data.extra_train_features: {root} holds no complete feature shards "
                                     "(run python -m peagle_jax.train.features with that features_dir first)")
         extra.append(FeatureStore(root))
-    own_store = FeatureStore(own)
+    own_store = FeatureStore(own, limit)
     return ConcatStore([own_store] + extra) if extra else own_store
 
 
@@ -315,6 +323,7 @@ def extract_to_disk(cfg: TrainConfig, split: str, target, docs: list[Doc], log=p
         "aux_dim": int(target.config.hidden_size * len(target.config.eagle_aux_layer_ids)),
         "hidden_dim": int(target.config.hidden_size), "chunk_len": chunk_len(cfg),
         "source": cfg.data.source, "target": cfg.model.target if cfg.model.random_target is None else "random",
+        "max_docs": cfg.data.max_docs,  # None: every document of the source
     }
     tmp = root / ".meta.json.tmp"
     tmp.write_text(json.dumps(meta, indent=1))
@@ -322,19 +331,31 @@ def extract_to_disk(cfg: TrainConfig, split: str, target, docs: list[Doc], log=p
     return root
 
 
-def ensure_features(cfg: TrainConfig, target=None, tokenizer=None, eos_ids=(), log=print) -> dict[str, Path]:
-    out = {}
+def ensure_features(cfg: TrainConfig, target=None, tokenizer=None, eos_ids=(), log=print
+                    ) -> tuple[dict[str, Path], dict[str, int | None]]:
+    """The feature folders of both splits, extracted where missing, and how many of their
+    documents this run reads (None: all). Features extracted without `data.max_docs` serve any
+    capped run (a learning curve extracts once); a capped extraction is extended when a later
+    run reads more."""
+    out, limits = {}, {}
     for split in ("train", "val"):
         root = cfg.features_dir / split
-        if complete_meta(root) is not None:
+        meta = complete_meta(root)
+        limits[split] = None
+        if meta is not None and meta.get("max_docs") is None and cfg.data.max_docs is None:
             out[split] = root
             continue
         if target is None:
             target, tokenizer, eos_ids, _ = load_target_and_tokenizer(cfg)
         docs = load_documents(cfg, split, target, tokenizer, eos_ids, log=log)
+        if cfg.data.max_docs is not None:
+            limits[split] = len(docs)
+        if meta is not None and (meta.get("max_docs") is None or meta["num_docs"] >= len(docs)):
+            out[split] = root
+            continue
         log(f"{split}: {len(docs)} documents, {sum(len(d.tokens) for d in docs)} tokens")
         out[split] = extract_to_disk(cfg, split, target, docs, log=log)
-    return out
+    return out, limits
 
 
 def main(argv=None):

@@ -224,8 +224,9 @@ class Trainer:
             lengths = [len(d.tokens) for d in self.docs["train"]]
             pairs = ((d.tokens, d.loss_mask) for d in self.docs["train"])
         else:
-            paths = ensure_features(cfg, self.target, self.tokenizer, self.eos_ids, log=log)
-            self.stores = {"train": open_train_store(cfg, paths["train"]), "val": FeatureStore(paths["val"])}
+            paths, limits = ensure_features(cfg, self.target, self.tokenizer, self.eos_ids, log=log)
+            self.stores = {"train": open_train_store(cfg, paths["train"], limits["train"]),
+                           "val": FeatureStore(paths["val"], limits["val"])}
             st = self.stores["train"]
             lengths = st.lengths()
             pairs = (st.get(i, with_features=False)[:2] for i in range(len(st)))

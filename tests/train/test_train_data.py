@@ -123,3 +123,37 @@ def test_concat_store_reads_several_feature_folders(tmp_path):
                              "data": {"extra_train_features": [str(tmp_path / "nope")]}})
     with pytest.raises(FileNotFoundError, match="extra_train_features"):
         open_train_store(bad, a)
+
+
+def test_capped_runs_read_a_prefix_of_features_extracted_once(tmp_path):
+    """A learning curve extracts features once, without `data.max_docs`; a capped run then reads
+    the first documents of that store, and a capped extraction is extended when a later run
+    reads more."""
+    from peagle_jax.train.config import load_config
+    from peagle_jax.train.features import FeatureStore, ensure_features
+    from peagle_jax.train.shards import Record, write_shard
+
+    rng = np.random.default_rng(0)
+    data = tmp_path / "data"
+    for split, n in (("train", 12), ("val", 3)):
+        recs = [Record(f"{split}{i}", "math", 1, rng.integers(1, 60, 5).tolist(), rng.integers(1, 60, 9).tolist())
+                for i in range(n)]
+        write_shard(data, split, recs, 64)
+    base = {"run_dir": str(tmp_path / "run"), "model": {"random_target": dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256)},
+        "data": {"source": "generated", "generated_dir": str(data), "seq_len": 32, "features_dir": str(tmp_path / "f"),
+                 "shard_tokens": 40}}
+    cfg = lambda **data_changes: load_config(None, {**base, "data": {**base["data"], **data_changes}})
+    paths, limits = ensure_features(cfg(max_docs=4), log=lambda *_: None)  # capped first: 4 documents
+    assert limits["train"] == 4 and len(FeatureStore(paths["train"])) == 4
+    paths, limits = ensure_features(cfg(), log=lambda *_: None)  # all: the capped store is extended
+    full = FeatureStore(paths["train"])
+    assert limits["train"] is None and len(full) == 12
+    paths, limits = ensure_features(cfg(max_docs=7), log=lambda *_: None)  # nothing extracted again
+    capped = FeatureStore(paths["train"], limits["train"])
+    assert len(capped) == 7
+    for i in (0, 6):
+        np.testing.assert_array_equal(capped.get(i)[2], full.get(i)[2])
+    with pytest.raises(ValueError, match="fewer than the 13"):
+        FeatureStore(paths["train"], 13)
