@@ -328,13 +328,29 @@ static void fma_tiles(int64_t t0, int64_t t1, int64_t M, int64_t J, int64_t O, c
   }
 }
 
-// Tiles [t0, t1) of one call on AMX, rows in blocks of at most 16 (the tiles' rows).
+// Rows per pass over a span of tiles: their bf16 pairs (256 rows of a 896-input call: 460 KB)
+// stay in L2 while each tile's weights (J pairs x 32 columns: 57 KB there) serve all of them.
+// Row blocks outermost instead streamed every weight of the span once per 16 rows: a 2048-row
+// prefill read each matrix 128 times, and ran at a fifth of the tiles' rate.
+constexpr int64_t kAmxRowChunk = 256;
+
+// Tiles [t0, t1) of one call on AMX, rows in blocks of 16 (the tiles' rows), then the rows left.
+// Each output row is computed from its input row alone, in the same order, whatever the blocking.
 static void amx_tiles(int64_t t0, int64_t t1, int64_t M, int64_t J, int64_t O, const uint32_t* xp,
                       const uint16_t* W, float* y) {
-  for (int64_t r0 = 0; r0 < M; r0 += 16) {
-    const int64_t m = std::min<int64_t>(M - r0, 16);
-    amx_configure(m);
-    for (int64_t t = t0; t < t1; ++t) amx_tile(xp + r0 * J, J, W + t * J * kPairStride, y + r0 * O + t * kTile, O);
+  const int64_t full = M / 16 * 16;
+  if (full > 0) {
+    amx_configure(16);
+    for (int64_t c0 = 0; c0 < full; c0 += kAmxRowChunk) {
+      const int64_t c1 = std::min(full, c0 + kAmxRowChunk);
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t r0 = c0; r0 < c1; r0 += 16)
+          amx_tile(xp + r0 * J, J, W + t * J * kPairStride, y + r0 * O + t * kTile, O);
+    }
+  }
+  if (full < M) {
+    amx_configure(M - full);
+    for (int64_t t = t0; t < t1; ++t) amx_tile(xp + full * J, J, W + t * J * kPairStride, y + full * O + t * kTile, O);
   }
   amx_release();
 }

@@ -338,6 +338,7 @@ def ensure_features(cfg: TrainConfig, target=None, tokenizer=None, eos_ids=(), l
     capped run (a learning curve extracts once); a capped extraction is extended when a later
     run reads more."""
     out, limits = {}, {}
+    extractor = None
     for split in ("train", "val"):
         root = cfg.features_dir / split
         meta = complete_meta(root)
@@ -354,8 +355,23 @@ def ensure_features(cfg: TrainConfig, target=None, tokenizer=None, eos_ids=(), l
             out[split] = root
             continue
         log(f"{split}: {len(docs)} documents, {sum(len(d.tokens) for d in docs)} tokens")
-        out[split] = extract_to_disk(cfg, split, target, docs, log=log)
+        extractor = extractor or extraction_target(cfg, target, log)
+        out[split] = extract_to_disk(cfg, split, extractor, docs, log=log)
     return out, limits
+
+
+def extraction_target(cfg: TrainConfig, target, log=print):
+    """The target that computes the features: on a CPU in bf16, the one `peagle_jax.load`
+    configures (bf16 weights through the row-invariant CPU kernels, AMX tiles where the CPU has
+    them, the layers under a scan): about 30x XLA's bf16 prefill on a 2-core AMX host
+    (docs/models.md). Anywhere else, and for random targets, `target` itself."""
+    if cfg.model.random_target is not None or cfg.model.dtype != "bfloat16" or jax.default_backend() != "cpu":
+        return target
+    from peagle_jax.api import load
+
+    llm = load(cfg.model.target, method="none", dtype="bfloat16", target_weights="bf16")
+    log(f"features computed with load()'s target: {llm.options}")
+    return llm.target
 
 
 def main(argv=None):
