@@ -363,8 +363,8 @@ def ensure_features(cfg: TrainConfig, target=None, tokenizer=None, eos_ids=(), l
 def extraction_target(cfg: TrainConfig, target, log=print):
     """The target that computes the features: on a CPU in bf16, the one `peagle_jax.load`
     configures (bf16 weights through the row-invariant CPU kernels, AMX tiles where the CPU has
-    them, the layers under a scan): about 30x XLA's bf16 prefill on a 2-core AMX host
-    (docs/models.md). Anywhere else, and for random targets, `target` itself."""
+    them, the layers under a scan; XLA:CPU's own bf16 matmuls are slow, docs/cpu-kernels.md).
+    Anywhere else, and for random targets, `target` itself."""
     if cfg.model.random_target is not None or cfg.model.dtype != "bfloat16" or jax.default_backend() != "cpu":
         return target
     from peagle_jax.api import load
