@@ -123,6 +123,12 @@ class TrainConfig(_Frozen):
     mesh_data: int = -1  # devices on the data axis (-1 = all)
     progress: bool = True
     max_steps: int | None = None  # stop early (for tests / chunked runs); schedule uses optim.total_steps
+    # A folder in the repository for the trainable weights (bf16, shards <= 20 MB), written every
+    # state_every steps (default checkpoint_every) and at the end, and committed with state_commit:
+    # a run with no orbax checkpoint in run_dir goes on from it (peagle_jax/train/committed.py).
+    state_dir: str | None = None
+    state_every: int | None = None
+    state_commit: bool = False
 
     @model_validator(mode="after")
     def _check(self):

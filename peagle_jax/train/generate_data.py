@@ -28,7 +28,6 @@ import itertools
 import json
 import os
 import queue
-import subprocess
 import sys
 import time
 import zlib
@@ -40,7 +39,7 @@ from pydantic import ValidationError
 
 from peagle_jax.options import add_option_flags, options_from_args, settings_error
 from peagle_jax.train.prompts import FOLLOW_UPS, Prompt, build_prompts
-from peagle_jax.train.shards import Record, read_records, write_manifest, write_shard
+from peagle_jax.train.shards import Record, git_commit, read_records, write_manifest, write_shard
 
 __all__ = ["answer_jobs", "generate_answers", "good_user_turn", "magpie_prompts", "main", "user_turn_prefix"]
 
@@ -250,23 +249,6 @@ def generate_answers(llm, prompts: Sequence[Prompt], folder: Path, *, split: str
     return summarize(done)
 
 
-def _git_commit(folder: Path, message: str, attempts: int = 5) -> None:
-    """Commit the data folder (the new shard and the manifest) and nothing else. A busy index
-    (another git command) is retried; a commit that still fails is reported, not fatal: the
-    shard stays on disk and the next one's commit takes it along. Nothing new: nothing to do."""
-    status = subprocess.run(["git", "status", "--porcelain", "--", str(folder)], capture_output=True, text=True)
-    if status.returncode == 0 and not status.stdout.strip():
-        return
-    for i in range(attempts):
-        add = subprocess.run(["git", "add", "--", str(folder)], capture_output=True, text=True)
-        done = add.returncode == 0 and subprocess.run(
-            ["git", "commit", "-q", "-m", message, "--", str(folder)], capture_output=True, text=True).returncode == 0
-        if done:
-            return
-        time.sleep(2.0 * (i + 1))
-    print(f"generate_data: could not commit {folder} ({message}); it stays on disk", file=sys.stderr)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m peagle_jax.train.generate_data", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="data folder (default data/selfdistill/<model name>); reruns resume")
@@ -304,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = _interleave(prompts, magpie_prompts(llm, folder / f"magpie_{a.split}.jsonl", magpie,
                                                       batch=a.batch, seed=a.seed, answerer=answerer))
         if a.commit:
-            _git_commit(folder, f"data: {llm.model_name} magpie user turns ({a.split})")
+            git_commit(folder, f"data: {llm.model_name} magpie user turns ({a.split})")
     weights = llm.options.get("target_weights", "bf16")
     header = {"model": llm.model_name, "model_file": llm.model_path.name, "model_sha256": file_sha256(llm.model_path),
               "python": sys.version.split()[0],
@@ -320,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         header["target_weights_by_shard"][path.name] = weights
         manifest = write_manifest(folder, header)
         if a.commit:
-            _git_commit(folder, f"data: {llm.model_name} {path.name} "
+            git_commit(folder, f"data: {llm.model_name} {path.name} "
                         f"({manifest[a.split]['total_answer_tokens']} {a.split} answer tokens)")
 
     summary = generate_answers(llm, prompts, folder, split=a.split, target_tokens=a.target_tokens, batch=a.batch,

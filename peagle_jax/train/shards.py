@@ -19,7 +19,10 @@ import io
 import json
 import os
 import re
+import subprocess
+import sys
 import tempfile
+import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -29,7 +32,7 @@ import numpy as np
 
 from peagle_jax.checkpoints.known_models import file_sha256
 
-__all__ = ["MAX_SHARD_BYTES", "Record", "read_records", "shard_paths", "write_manifest", "write_shard"]
+__all__ = ["MAX_SHARD_BYTES", "Record", "git_commit", "read_records", "shard_paths", "write_manifest", "write_shard"]
 
 MAX_SHARD_BYTES = 20 * 2**20
 _SHARD = re.compile(r"^(train|val)-(\d{5})\.npz$")
@@ -158,3 +161,20 @@ def write_manifest(folder: Path, header: dict) -> dict:
         fh.write("\n")
     os.replace(tmp, folder / "manifest.json")
     return manifest
+
+
+def git_commit(folder: Path, message: str, attempts: int = 5) -> None:
+    """Commit `folder` (new shards and their manifest, or a training state) and nothing else. A
+    busy index (another git command) is retried; a commit that still fails is reported, not
+    fatal: the files stay on disk and the next commit takes them along. Nothing new: nothing to do."""
+    status = subprocess.run(["git", "status", "--porcelain", "--", str(folder)], capture_output=True, text=True)
+    if status.returncode == 0 and not status.stdout.strip():
+        return
+    for i in range(attempts):
+        add = subprocess.run(["git", "add", "--", str(folder)], capture_output=True, text=True)
+        done = add.returncode == 0 and subprocess.run(
+            ["git", "commit", "-q", "-m", message, "--", str(folder)], capture_output=True, text=True).returncode == 0
+        if done:
+            return
+        time.sleep(2.0 * (i + 1))
+    print(f"could not commit {folder} ({message}); it stays on disk", file=sys.stderr)

@@ -29,6 +29,7 @@ Launch example (2 hosts, 8 GPUs each):
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -47,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 from peagle_jax.drafters import DrafterConfig, create_drafter
 from peagle_jax.sharding import maybe_initialize_distributed
 from peagle_jax.train.cod import cod_sample
+from peagle_jax.train.committed import load_state, read_state_info, save_state
 from peagle_jax.train.config import TrainConfig, config_from_argv
 from peagle_jax.train.data import PackPlan, pack_row
 from peagle_jax.train.features import (
@@ -57,6 +59,7 @@ from peagle_jax.train.features import (
     open_train_store,
 )
 from peagle_jax.train.objective import Rows, eagle3_loss, peagle_loss
+from peagle_jax.train.shards import git_commit
 from peagle_jax.train.vocab import draft_ids_from_counts, token_counts, vocab_maps, with_draft_vocabulary
 
 
@@ -155,15 +158,23 @@ def build_drafter(cfg: TrainConfig, target, draft_ids: np.ndarray):
     return d
 
 
-def make_optimizer(cfg: TrainConfig):
+def make_optimizer(cfg: TrainConfig, resume_step: int = 0):
+    """(optimizer, learning rate at a global step). From a committed state (`resume_step` > 0,
+    fresh moments) the schedule goes on where it was, under a re-warm-up of `warmup_steps`."""
     o = cfg.optim
-    sched = optax.warmup_cosine_decay_schedule(
+    base = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=o.lr, warmup_steps=max(o.warmup_steps, 1),
         decay_steps=max(o.total_steps, o.warmup_steps + 1), end_value=o.lr * o.min_lr_ratio,
     )
+    if resume_step:
+        def sched(step):
+            return base(step) * jnp.clip((step - resume_step + 1) / max(o.warmup_steps, 1), 0.0, 1.0)
+    else:
+        sched = base
     tx = optax.chain(
         optax.clip_by_global_norm(o.clip_norm),
-        optax.adamw(sched, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay),
+        # optax counts its own updates from 0: the global step is that count + resume_step
+        optax.adamw(lambda count: sched(count + resume_step), b1=o.b1, b2=o.b2, weight_decay=o.weight_decay),
     )
     return tx, sched
 
@@ -231,7 +242,16 @@ class Trainer:
             lengths = st.lengths()
             pairs = (st.get(i, with_features=False)[:2] for i in range(len(st)))
         self.plan = PackPlan(lengths, cfg.data.seq_len, cfg.data.shuffle_seed, pack=not self.online)
+        self.ckpt = ocp.CheckpointManager(
+            (self.run_dir / "checkpoints").absolute(),
+            options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints, create=True,
+                                                 enable_async_checkpointing=False),
+        )
+        # No checkpoint here (a fresh machine): go on from the weights committed to the repository.
+        committed = read_state_info(cfg.state_dir) if self.ckpt.latest_step() is None else None
         vocab_file = self.run_dir / "draft_ids.npy"
+        if committed is not None and jax.process_index() == 0:  # the vocabulary the weights were trained with
+            shutil.copyfile(Path(cfg.state_dir) / "state" / "draft_ids.npy", vocab_file)
         if vocab_file.exists():
             draft_ids = np.load(vocab_file)
         elif cfg.drafter.init_from is not None and cfg.drafter.init_vocab == "head":  # keep the head's vocabulary
@@ -250,7 +270,12 @@ class Trainer:
         drafter = build_drafter(cfg, self.target, draft_ids)
         self.drafter_config = drafter.config
         self.graphdef, trainable, frozen = split_params(drafter, cfg.drafter.train_embed, cfg.objective.method)
-        self.tx, self.sched = make_optimizer(cfg)
+        self.step = 0
+        if committed is not None:
+            self.step, weights = load_state(cfg.state_dir, jax.device_get(trainable))
+            trainable = {k: jnp.asarray(weights[k], v.dtype) for k, v in trainable.items()}
+            log(f"resumed from the committed state of step {self.step} ({cfg.state_dir}): fresh optimizer moments")
+        self.tx, self.sched = make_optimizer(cfg, self.step)
         rep = NamedSharding(self.mesh, P())
         self.rep, self.data_sharding = rep, NamedSharding(self.mesh, P("data"))
         self.trainable = jax.device_put(trainable, rep)
@@ -261,12 +286,6 @@ class Trainer:
             self.target_state = jax.device_put(tstate, rep)
         else:
             self.target_graphdef, self.target_state = None, None
-        self.step = 0
-        self.ckpt = ocp.CheckpointManager(
-            (self.run_dir / "checkpoints").absolute(),
-            options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints, create=True,
-                                                 enable_async_checkpointing=False),
-        )
         if jax.process_index() == 0:
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
         self._restore()
@@ -297,6 +316,18 @@ class Trainer:
             state=ocp.args.StandardSave({"trainable": self.trainable, "opt_state": self.opt_state}),
             meta=ocp.args.JsonSave(meta)), force=True)
         self.ckpt.wait_until_finished()
+
+    def save_state(self):
+        """The trainable weights into the repository's `state_dir` (committed with `state_commit`)."""
+        cfg = self.cfg
+        if jax.process_index() != 0:
+            return
+        about = {"method": cfg.objective.method, "target": cfg.model.target, "num_layers": cfg.drafter.num_layers,
+                 "draft_vocab_size": int(self.draft_ids.shape[0]), "total_steps": cfg.optim.total_steps}
+        weights = {k: np.asarray(v) for k, v in jax.device_get(self.trainable).items()}
+        save_state(cfg.state_dir, self.step, weights, about, {"draft_ids.npy": np.asarray(self.draft_ids)})
+        if cfg.state_commit:
+            git_commit(Path(cfg.state_dir), f"train state: {Path(cfg.state_dir).name} step {self.step}")
 
     # ----------------------------------------------------------------- data
 
@@ -443,6 +474,8 @@ class Trainer:
                                 tok_s=f"{rec['tokens_per_s']:.0f}")
             if self.step % cfg.checkpoint_every == 0 or self.step == last:
                 self.save()
+            if cfg.state_dir and (self.step % (cfg.state_every or cfg.checkpoint_every) == 0 or self.step == last):
+                self.save_state()
         if bar is not None:
             bar.close()
         return records
