@@ -349,7 +349,6 @@ class Attention(nnx.Module):
             out = attn(q, kv.k, kv.v, slots, **window)
         return self.o_proj(out.reshape(b, t, -1)), kv
 
-
     def _sink_and_window(self, skip) -> dict:
         """The GPT-OSS arguments of `kernels.cache_attention`, where this layer has them."""
         if self.sinks is None and self.window is None:
