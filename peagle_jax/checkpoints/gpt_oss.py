@@ -27,13 +27,14 @@ _ROUTER = re.compile(r"model\.layers\.(\d+)\.mlp\.router\.(weight|bias)")
 _SINKS = re.compile(r"model\.layers\.(\d+)\.self_attn\.sinks")
 
 
-def dequantize_mxfp4(blocks: UInt8[np.ndarray, "E O G 16"], scales: UInt8[np.ndarray, "E O G"]
+def dequantize_mxfp4(blocks: UInt8[np.ndarray, "..."], scales: UInt8[np.ndarray, "..."]
                      ) -> Float[np.ndarray, "E I O"]:
-    """MXFP4 expert weights as float32 [E, in, out] (in = 32 G): each byte holds two e2m1
+    """MXFP4 expert weights, blocks [E, out, G, 16] and scales [E, out, G] (checked here, with a
+    message naming both shapes), as float32 [E, in, out] (in = 32 G): each byte holds two e2m1
     codes, the low nibble the earlier column, and each block of 32 is scaled by 2^(scale - 127)."""
     if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
         raise ValueError(f"MXFP4 blocks and scales are uint8, not {blocks.dtype} / {scales.dtype}")
-    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+    if blocks.ndim != 4 or blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
         raise ValueError(f"MXFP4 blocks {blocks.shape} do not fit scales {scales.shape} (expected [..., G, 16] "
                          "beside [..., G])")
     values = np.empty(blocks.shape[:-1] + (32,), np.float32)

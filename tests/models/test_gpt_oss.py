@@ -23,8 +23,8 @@ from peagle_jax.models.config import ModelConfig  # noqa: E402
 from peagle_jax.models.layer_stack import stack_blocker  # noqa: E402
 from peagle_jax.pytree_paths import param_paths  # noqa: E402
 
-LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                   original_max_position_embeddings=16)
+LLAMA3_ROPE = tuple(sorted(dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                 original_max_position_embeddings=16).items()))
 
 
 def _mxfp4(rng, experts: int, rows: int, cols: int):
