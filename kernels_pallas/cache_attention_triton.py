@@ -187,15 +187,12 @@ def cache_attention_triton(
     are a scanned target's stacks [B, L, KVH, S, D] and the kernel reads that layer in place (no
     slice of the stack is copied out; unscaled caches whose S is a multiple of 16)."""
     stacked = layer is not None
+    b, t, h, d = q.shape
+    kvh, s, dk = k_cache.shape[-3:]
     if stacked:
-        if k_scale is not None or v_scale is not None or k_cache.shape[3] % 16:
+        if k_scale is not None or v_scale is not None or s % 16:
             raise ValueError("a layer of stacked caches is read in place only without scales and with S % 16 == 0")
         num_layers = k_cache.shape[1]
-        b, t, h, d = q.shape
-        _, _, kvh, s, dk = k_cache.shape
-    else:
-        b, t, h, d = q.shape
-        _, kvh, s, dk = k_cache.shape
     if dk != d or v_cache.shape != k_cache.shape or k_cache.shape[0] != b:
         raise ValueError(f"shape mismatch: q {q.shape}, k {k_cache.shape}, v {v_cache.shape}")
     if h % kvh:

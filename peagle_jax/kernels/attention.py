@@ -126,8 +126,7 @@ def cache_attention(
         if implementation not in (None, "xla"):
             _log_sinks_once(implementation)
         if layer is not None:
-            k_cache, v_cache = (jax.lax.dynamic_index_in_dim(c, layer, axis=1, keepdims=False)
-                                for c in (k_cache, v_cache))
+            k_cache, v_cache = _layer_of(k_cache, v_cache, layer)
         return cache_attention_reference(q, k_cache, v_cache, q_positions, k_scale=k_scale, v_scale=v_scale,
                                          sm_scale=sm_scale, skip_lo=skip_lo, skip_hi=skip_hi, sinks=sinks,
                                          window=window)
@@ -145,10 +144,15 @@ def cache_attention(
 
             return cache_attention_triton(q, k_cache, v_cache, q_positions, sm_scale=sm_scale, skip_lo=skip_lo,
                                           skip_hi=skip_hi, interpret=interpret, layer=layer)
-        k_cache, v_cache = (jax.lax.dynamic_index_in_dim(c, layer, axis=1, keepdims=False) for c in (k_cache, v_cache))
+        k_cache, v_cache = _layer_of(k_cache, v_cache, layer)
     return pallas_cache_attention(q, k_cache, v_cache, q_positions, k_scale=k_scale, v_scale=v_scale,
                                   sm_scale=sm_scale, skip_lo=skip_lo, skip_hi=skip_hi,
                                   implementation=implementation, interpret=interpret)
+
+
+def _layer_of(k_stack, v_stack, layer):
+    """Layer `layer` of stacked caches [B, L, KVH, S, D], sliced out (a copy where a custom call reads it)."""
+    return tuple(jax.lax.dynamic_index_in_dim(c, layer, axis=1, keepdims=False) for c in (k_stack, v_stack))
 
 
 def _triton_reads_layer(implementation: str | None, q, k_stack, interpret: bool) -> bool:

@@ -15,7 +15,6 @@ never replaces a good state.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -24,13 +23,10 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from peagle_jax.checkpoints.known_models import file_sha256
 from peagle_jax.train.shards import MAX_SHARD_BYTES
 
 STATE = "state"
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def save_state(folder: str | Path, step: int, trainable: dict[str, np.ndarray], about: dict,
@@ -49,7 +45,7 @@ def save_state(folder: str | Path, step: int, trainable: dict[str, np.ndarray], 
         if group:
             path = tmp / f"weights-{len(shards):05d}.npz"
             np.savez_compressed(path, **group)
-            shards.append({"file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path),
+            shards.append({"file": path.name, "bytes": path.stat().st_size, "sha256": file_sha256(path),
                            "keys": sorted(group)})
             group, size = {}, 0
 
@@ -90,7 +86,7 @@ def load_state(folder: str | Path, like: dict[str, np.ndarray]) -> tuple[int, di
     out: dict[str, np.ndarray] = {}
     for shard in info["shards"]:
         path = root / shard["file"]
-        if _sha256(path) != shard["sha256"]:
+        if file_sha256(path) != shard["sha256"]:
             raise ValueError(f"{path}: its sha256 is not the one state.json records (a damaged or partial copy)")
         with np.load(path) as z:
             for name in z.files:

@@ -72,12 +72,9 @@ def held_out_prompts(generated_dir: str, count: int) -> list[list[int]]:
     its domains in the order the generator wrote them (its prompts are shuffled once)."""
     from pathlib import Path
 
-    from peagle_jax.train.shards import read_records, shard_paths
+    from peagle_jax.train.shards import read_split
 
-    if not shard_paths(Path(generated_dir), "val"):
-        raise FileNotFoundError(f"{generated_dir} holds no val shards; write them first with: python -m "
-                                f"peagle_jax.train.generate_data --out {generated_dir} --split val")
-    return [list(r.prompt) for r in read_records(Path(generated_dir), "val") if r.turn == 1][:count]
+    return [list(r.prompt) for r in read_split(Path(generated_dir), "val") if r.turn == 1][:count]
 
 
 if __name__ == "__main__":

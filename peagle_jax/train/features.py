@@ -78,16 +78,13 @@ def _rescale_random(model) -> None:
 
 def generated_docs(data_dir: str | None, split: str) -> list[Doc]:
     """The target-written answers in a `generate_data` folder's shards (loss on the answers)."""
-    from peagle_jax.train.shards import read_records, shard_paths
+    from peagle_jax.train.shards import read_split
 
     if not data_dir:
         raise ValueError("data.source=generated needs data.generated_dir (a generate_data folder, "
                          "e.g. data/selfdistill/<model>)")
-    if not shard_paths(Path(data_dir), split):
-        raise FileNotFoundError(f"{data_dir} holds no {split} shards; write them first with: python -m "
-                                f"peagle_jax.train.generate_data --out {data_dir} --split {split}")
     docs = []
-    for r in read_records(Path(data_dir), split):
+    for r in read_split(Path(data_dir), split):
         toks = np.asarray([*r.prompt, *r.response], np.int32)
         mask = np.concatenate([np.zeros(len(r.prompt), np.uint8), np.ones(len(r.response), np.uint8)])
         docs.append(Doc(toks, mask, r.name if r.turn == 1 else f"{r.name}/turn{r.turn}"))

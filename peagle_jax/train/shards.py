@@ -32,7 +32,8 @@ import numpy as np
 
 from peagle_jax.checkpoints.known_models import file_sha256
 
-__all__ = ["MAX_SHARD_BYTES", "Record", "git_commit", "read_records", "shard_paths", "write_manifest", "write_shard"]
+__all__ = ["MAX_SHARD_BYTES", "Record", "git_commit", "read_records", "read_split", "shard_paths", "write_manifest",
+           "write_shard"]
 
 MAX_SHARD_BYTES = 20 * 2**20
 _SHARD = re.compile(r"^(train|val)-(\d{5})\.npz$")
@@ -126,6 +127,15 @@ def read_records(folder: Path, split: str) -> list[Record]:
         except (OSError, ValueError, KeyError) as e:
             raise ValueError(f"shard {p} cannot be read ({e}); remove it to regenerate it") from e
     return out
+
+
+def read_split(folder: Path, split: str) -> list[Record]:
+    """Every record of a split's shards; FileNotFoundError, with the command that writes them,
+    where the split has none."""
+    if not shard_paths(folder, split):
+        raise FileNotFoundError(f"{folder} holds no {split} shards; write them first with: python -m "
+                                f"peagle_jax.train.generate_data --out {folder} --split {split}")
+    return read_records(folder, split)
 
 
 def summarize(records: Iterable[Record]) -> dict:
