@@ -4,7 +4,8 @@ committed shards (`train/shards.py`), resumably.
   python -m peagle_jax.train.generate_data --model qwen2.5-coder-1.5b-instruct
       [--out data/selfdistill/<model>] [--split train|val] [--target-tokens 1000000]
       [--batch 16] [--max-new-tokens 320] [--shard-tokens 50000] [--magpie 3000]
-      [--follow-up-share 0.2] [--commit] [load's settings: --dtype, --target-weights, ...]
+      [--follow-up-share 0.2] [--domains math,chat,...] [--commit]
+      [load's settings: --dtype, --target-weights, ...]
 
 Stages, each resuming from what the data folder already holds:
   1. magpie_{split}.jsonl  user turns the instruct target writes itself: its chat template up
@@ -38,7 +39,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from peagle_jax.options import add_option_flags, options_from_args, settings_error
-from peagle_jax.train.prompts import FOLLOW_UPS, Prompt, build_prompts
+from peagle_jax.train.prompts import DOMAINS, FOLLOW_UPS, Prompt, build_prompts
 from peagle_jax.train.shards import Record, git_commit, read_records, write_manifest, write_shard
 
 __all__ = ["answer_jobs", "generate_answers", "good_user_turn", "magpie_prompts", "main", "user_turn_prefix"]
@@ -260,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--magpie", type=int, default=3000, help="self-written user turns to add (0: none)")
     ap.add_argument("--follow-up-share", type=float, default=0.2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--domains", default=",".join(DOMAINS),
+                    help="comma-separated prompt domains to answer (default: all of prompts.DOMAINS); a run on "
+                         "some of them rebalances a data folder's mix")
     ap.add_argument("--commit", action="store_true", help="git-commit each shard as soon as it is written")
     # the model and how it runs: `load`'s settings (--model, --dtype, --target-weights, ...)
     add_option_flags(ap, skip=("method", "drafter", "num_draft_tokens"))
@@ -267,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     if min(a.batch, a.max_new_tokens, a.target_tokens, a.shard_tokens) < 1 or not 0 <= a.follow_up_share <= 1:
         ap.error("--batch, --max-new-tokens, --target-tokens and --shard-tokens must be >= 1; "
                  "--follow-up-share in [0, 1]")
+    domains = [d.strip() for d in a.domains.split(",") if d.strip()]
+    if not domains or set(domains) - set(DOMAINS):
+        ap.error(f"--domains: unknown domain(s) {sorted(set(domains) - set(DOMAINS)) or '(none given)'}; "
+                 f"choose from {', '.join(DOMAINS)}")
     from peagle_jax.api import load
     from peagle_jax.checkpoints.known_models import file_sha256
     from peagle_jax.compile_cache import enable_compilation_cache
@@ -280,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     answerer = _Answerer(llm, batch=a.batch, max_new_tokens=a.max_new_tokens)
     folder = Path(a.out) if a.out else Path("data/selfdistill") / llm.model_name
     folder.mkdir(parents=True, exist_ok=True)
-    prompts = build_prompts(a.split, seed=a.seed)
-    magpie = a.magpie if a.split == "train" else a.magpie // 20
+    prompts = [p for p in build_prompts(a.split, seed=a.seed) if p.domain in domains]
+    magpie = (a.magpie if a.split == "train" else a.magpie // 20) if "magpie" in domains else 0
     if magpie:
         prompts = _interleave(prompts, magpie_prompts(llm, folder / f"magpie_{a.split}.jsonl", magpie,
                                                       batch=a.batch, seed=a.seed, answerer=answerer))
@@ -297,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
               "target_weights_by_shard": _weights_by_shard(folder),
               "mix": dict(Counter(p.domain for p in prompts)),
               "command": "python -m peagle_jax.train.generate_data " + " ".join(argv or sys.argv[1:])}
+    header["runs"] = _previous_runs(folder) + [header["command"]]
 
     def on_shard(path: Path) -> None:
         header["target_weights_by_shard"][path.name] = weights
@@ -326,6 +335,18 @@ def _weights_by_shard(folder: Path) -> dict[str, str]:
         for shard in (old.get(split) or {}).get("shards", []):
             known.setdefault(shard["file"], old.get("target_weights", "bf16"))
     return known
+
+
+def _previous_runs(folder: Path) -> list[str]:
+    """The commands of the runs that wrote this folder before (a manifest from before runs were
+    listed holds only its last command)."""
+    path = folder / "manifest.json"
+    if not path.exists():
+        return []
+    old = json.loads(path.read_text())
+    if old.get("runs"):
+        return list(old["runs"])
+    return [old["command"]] if old.get("command") else []
 
 
 def _interleave(a: list[Prompt], b: list[Prompt]) -> list[Prompt]:

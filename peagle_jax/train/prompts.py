@@ -14,6 +14,9 @@ catalogs), none of them HumanEval or MT-Bench (the evaluation):
   rewrite        rewrite / extract from such a passage (formal, simple, JSON keywords);
   translate      English UI sentences of the system's gettext catalogs into 8 languages;
   math           templated word problems (shopping, speed, ages, percentages, sharing);
+  chat           everyday requests from templates over subject lists (explain, advise,
+                 compare, write an email or a story, play a role, plan, argue both sides),
+                 the general-assistant share that Magpie turns of a code model rarely give;
   magpie         user turns the instruct target writes itself from its chat template up to
                  the user turn (built at generation time, `generate_data.magpie_prompts`).
 
@@ -35,7 +38,7 @@ from peagle_jax.train.data import first_paragraphs, is_test_file, is_validation,
 __all__ = ["DOMAINS", "FOLLOW_UPS", "Prompt", "build_prompts"]
 
 DOMAINS = ("code_complete", "code_explain", "code_tests", "code_task", "docs_summary", "rewrite", "translate",
-           "math", "magpie")
+           "math", "chat", "magpie")
 FOLLOW_UPS = (
     "Can you give a short example?",
     "Explain that more briefly.",
@@ -167,9 +170,109 @@ def _math_prompts(n: int, seed: int, split: str) -> list[Prompt]:
     return out
 
 
+_CONCEPTS = (
+    "rainbows", "vaccines", "credit scores", "compound interest", "photosynthesis", "ocean tides", "inflation",
+    "the water cycle", "black holes", "jet engines", "the immune system", "blockchains", "earthquakes",
+    "supply and demand", "climate change", "electric cars", "the stock market", "antibiotic resistance",
+    "solar panels", "memory in the human brain", "the seasons", "GPS navigation", "nuclear fusion", "sleep",
+    "plate tectonics", "democracy", "the placebo effect", "recycling", "noise-cancelling headphones",
+    "volcanoes", "the greenhouse effect", "microwave ovens", "muscle growth", "interest rates", "bees and pollination",
+    "the printing press", "refrigerators", "the speed of light", "habit formation", "carbon dating",
+    "wind turbines", "the Roman Republic", "evolution by natural selection", "public key encryption", "coffee roasting",
+    "how airplanes fly", "batteries", "the human heart", "exchange rates", "fermentation",
+)
+_ACTIVITIES = (
+    "learning a new language", "running a first marathon", "saving money on groceries", "working from home",
+    "public speaking", "keeping houseplants alive", "sleeping better", "preparing for a job interview",
+    "traveling on a budget", "studying for exams", "starting a vegetable garden", "cooking for one person",
+    "making friends in a new city", "reducing screen time", "writing a resume", "learning to play the guitar",
+    "taking better photos with a phone", "staying focused while studying", "organizing a small kitchen",
+    "hosting a dinner party", "training a puppy", "negotiating a salary", "reading more books",
+    "managing stress at work", "planning a wedding", "moving to a new apartment", "learning to swim as an adult",
+    "writing a personal blog", "starting to exercise after a long break", "giving constructive feedback",
+)
+_PAIRS = (
+    ("renting", "buying a home"), ("tea", "coffee"), ("trains", "planes for a 500 km trip"), ("cats", "dogs as pets"),
+    ("e-books", "paper books"), ("city life", "country life"), ("solar power", "wind power"),
+    ("a gap year", "going straight to university"), ("running", "swimming for fitness"), ("stocks", "bonds"),
+    ("working at a startup", "working at a large company"), ("a laptop", "a desktop computer"),
+    ("learning online", "learning in a classroom"), ("weather", "climate"), ("viruses", "bacteria"),
+    ("a debit card", "a credit card"), ("Impressionism", "Realism in painting"), ("socialism", "capitalism"),
+    ("a podcast", "a blog"), ("hiking boots", "trail running shoes"), ("baking", "frying"),
+    ("the Olympic Games", "the World Cup"), ("an electric bike", "a regular bike"), ("memorizing", "understanding"),
+)
+_EVENTS = (
+    "the French Revolution", "the invention of the steam engine", "the fall of the Berlin Wall", "the Black Death",
+    "the moon landing", "the Industrial Revolution", "the Renaissance", "the building of the Panama Canal",
+    "the invention of the internet", "the Silk Road", "the printing of the Gutenberg Bible", "the Great Depression",
+    "the discovery of penicillin", "the age of exploration", "the end of the Cold War", "the rise of the Roman Empire",
+)
+_ROLES = (
+    "a lighthouse keeper", "a museum guide", "a chef in a busy restaurant", "a park ranger", "a librarian",
+    "a ship captain in 1850", "a tour guide in Rome", "a detective", "a science teacher", "a travel agent",
+    "a personal trainer", "a customer support agent for an airline", "a medieval blacksmith", "a news anchor",
+    "a gardener", "an astronaut on the space station",
+)
+_PLACES = (
+    "Lisbon", "Kyoto", "Vancouver", "Marrakesh", "Iceland", "Buenos Aires", "Prague", "the Scottish Highlands",
+    "Cape Town", "Seoul", "Istanbul", "Mexico City", "New Zealand's South Island", "Vienna", "Hanoi", "Sicily",
+)
+_EMAILS = (
+    "asking a colleague to move a meeting to next week", "thanking a teacher at the end of the year",
+    "complaining politely about a late delivery", "inviting neighbours to a street party",
+    "asking a landlord to fix a broken heater", "declining a job offer", "requesting a day off",
+    "following up after a job interview", "apologizing for missing a deadline", "welcoming a new team member",
+    "asking a professor for a recommendation letter", "cancelling a gym membership",
+)
+_STORIES = (
+    "a robot who learns to paint", "a girl who finds a map in her grandmother's attic", "a lost dog finding its way home",
+    "a baker who wakes up able to hear thoughts", "two strangers stuck in an elevator", "the last tree in a city",
+    "a time traveller who can only go back one minute", "a shy dragon", "a chess game that decides a kingdom",
+    "a letter delivered fifty years late", "a lighthouse that turns itself off", "a cat who runs a bookshop",
+)
+_DEBATES = (
+    "schools should start later in the morning", "homework should be banned", "cities should ban cars from their "
+    "centers", "everyone should learn to code", "social media does more harm than good", "a four-day work week",
+    "space exploration is worth its cost", "zoos should exist", "tipping should be abolished",
+    "university should be free", "remote work is better than office work", "voting should be compulsory",
+)
+
+
+def _chat_prompts(split: str) -> list[Prompt]:
+    """General-assistant requests: each template over its subject list."""
+    asks = (
+        (_CONCEPTS, "explain", "Explain how {} works in simple terms."),
+        (_CONCEPTS, "child", "How would you explain {} to a ten-year-old?"),
+        (_CONCEPTS, "myths", "What are three common misconceptions about {}?"),
+        (_ACTIVITIES, "tips", "Give me five practical tips for {}."),
+        (_ACTIVITIES, "mistakes", "What mistakes do beginners make when {}, and how can they avoid them?"),
+        (_ACTIVITIES, "plan", "Make a simple four-week plan for {}."),
+        ([f"{a} and {b}" for a, b in _PAIRS], "compare", "Compare {}. What are the main differences?"),
+        ([f"{a} or {b}" for a, b in _PAIRS], "choose", "Should I choose {}? Help me decide."),
+        (_EVENTS, "history", "Summarize the causes and consequences of {}."),
+        (_EVENTS, "facts", "Tell me five interesting facts about {}."),
+        (_ROLES, "roleplay", "Pretend you are {}. Describe a typical day, in the first person."),
+        (_ROLES, "interview", "I am interviewing {} for a school project. Write five questions and their answers."),
+        (_PLACES, "trip", "Plan a three-day trip to {} for someone on a budget."),
+        (_PLACES, "pack", "What should I pack for a week in {} in spring?"),
+        (_EMAILS, "email", "Write a short, polite email {}."),
+        (_STORIES, "story", "Write a short story, under 200 words, about {}."),
+        (_STORIES, "poem", "Write a short poem about {}."),
+        (_DEBATES, "debate", "Give the strongest arguments for and against the claim that {}."),
+        (_DEBATES, "essay", "Write a short persuasive paragraph arguing that {}."),
+    )
+    out = []
+    for subjects, kind, template in asks:
+        for subject in subjects:
+            pid = f"chat/{kind}/{subject}"
+            if is_validation(pid, 5.0) == (split == "val"):
+                out.append(Prompt(pid, "chat", template.format(subject)))
+    return out
+
+
 def build_prompts(split: str = "train", *, seed: int = 0, math_problems: int = 3000) -> list[Prompt]:
     """Every offline prompt of the split (magpie ones come at generation time), shuffled by seed."""
-    prompts = (_code_prompts(split) + _docs_prompts(split) + _translate_prompts(split)
+    prompts = (_code_prompts(split) + _docs_prompts(split) + _translate_prompts(split) + _chat_prompts(split)
                + _math_prompts(math_problems if split == "train" else math_problems // 20, seed + (split == "val"),
                                split))
     random.Random(seed).shuffle(prompts)
