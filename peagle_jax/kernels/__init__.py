@@ -5,7 +5,8 @@ Each module holds one concept and decides where its kernel runs, so a caller ask
 operation, never for a backend:
 
   cpu        whether and which CPU kernels run here (the one place that asks `kernels_cpu`)
-  matmul     the row-invariant CPU matmul and its weight packing
+  matmul     the row-invariant CPU matmul and its weight packing; its differentiable form
+             for training on a CPU
   attention  cache attention: Pallas on a GPU, the C++ kernel on CPU, the XLA reference elsewhere
   argmax     the greedy token: the C++ argmax on one CPU device, else XLA
   fp8        float8_e4m3fn KV-cache quantization
@@ -32,6 +33,8 @@ from peagle_jax.kernels.matmul import (
     pack_g8,
     pack_q4,
     pack_q7,
+    trainable_fits,
+    trainable_matmul,
     unpack_group,
 )
 
@@ -55,5 +58,7 @@ __all__ = [
     "quantize_kv",
     "quantize_with_scale",
     "resolve_implementation",
+    "trainable_fits",
+    "trainable_matmul",
     "unpack_group",
 ]

@@ -5,6 +5,9 @@ speculative decoding token-identical to plain decoding on CPU (docs/cpu-kernels.
 packed once at load (`pack`: bf16, `pack_q7` / `pack_q4`: 7- or 4-bit per-column weights for a
 draft head; `pack_g4` / `pack_g8`: a quantized GGUF target's own blocks), each output tile of
 `TILE` columns contiguous.
+
+`trainable_matmul` is the same kernel with gradients, for training a draft head on a CPU: its
+AMX tiles run 2.4x XLA:CPU's float32 dot on a head's shapes (docs/cpu-kernels.md).
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from kernels_cpu import (
     unpack_q7,
 )
 
-__all__ = ["TILE", "is_group_packed", "matmul", "pack", "pack_g4", "pack_g8", "pack_q4", "pack_q7", "unpack_group",
-           "unpack_q4", "unpack_q7"]
+__all__ = ["TILE", "is_group_packed", "matmul", "pack", "pack_g4", "pack_g8", "pack_q4", "pack_q7",
+           "trainable_fits", "trainable_matmul", "unpack_group", "unpack_q4", "unpack_q7"]
 
 
 def is_group_packed(packed: jax.Array) -> bool:
@@ -52,3 +55,34 @@ def matmul(x: Float[Array, "*lead I"], packed: BFloat16[Array, "*L T J 64"] | UI
         return kernels_cpu.matmul(x, packed, jnp.bfloat16, glu=glu, layer=layer)
     y = kernels_cpu.matmul(x, packed, glu=glu, layer=layer)
     return y if out_dtype is None else y.astype(out_dtype)
+
+
+def trainable_fits(x: jax.Array, w: jax.Array) -> bool:
+    """Whether `trainable_matmul` takes these shapes: a 2-D weight whose both widths are whole
+    tiles (the backward pass multiplies by its transpose) and at least one row."""
+    return w.ndim == 2 and x.shape[-1] == w.shape[0] and not w.shape[0] % TILE and not w.shape[1] % TILE \
+        and x.size > 0
+
+
+@jax.custom_vjp
+def trainable_matmul(x: Float[Array, "R I"], w: Float[Array, "I O"]) -> Float[Array, "R O"]:
+    """x @ w on the CPU kernel, float32 sums of bf16 operands, differentiable: the gradients
+    g @ w.T and x.T @ g run on the kernel too, their right-hand sides packed in the step (a
+    memory pass, small beside the product). Mixed-precision training's usual rounding: the
+    operands' bf16, nothing else. Row invariance is not needed here and not promised."""
+    return kernels_cpu.matmul(x.astype(jnp.bfloat16), pack(w.astype(jnp.bfloat16)))
+
+
+def _trainable_forward(x, w):
+    return trainable_matmul(x, w), (x, w)
+
+
+def _trainable_backward(saved, g):
+    x, w = saved
+    gb = g.astype(jnp.bfloat16)
+    dx = kernels_cpu.matmul(gb, pack(w.astype(jnp.bfloat16).T))
+    dw = kernels_cpu.matmul(x.astype(jnp.bfloat16).T, pack(gb))
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+trainable_matmul.defvjp(_trainable_forward, _trainable_backward)

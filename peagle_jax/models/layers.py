@@ -31,6 +31,21 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * xf.astype(x.dtype)
 
 
+_TRAINING_ON_KERNEL: contextvars.ContextVar = contextvars.ContextVar("training_on_kernel", default=False)
+
+
+@contextlib.contextmanager
+def training_matmuls_on_cpu_kernel():
+    """Within the block, `matmul` runs on the CPU kernel with its gradients there too
+    (`kernels.trainable_matmul`, bf16 operands): a draft head's training step on a CPU with
+    AMX tiles (peagle_jax/train/train.py). Trace-time only."""
+    token = _TRAINING_ON_KERNEL.set(True)
+    try:
+        yield
+    finally:
+        _TRAINING_ON_KERNEL.reset(token)
+
+
 def matmul(x: Float[Array, "... I"], w: Float[Array, "I O"], *, out_dtype=None) -> Float[Array, "... O"]:
     """x @ w over the last axis, never computed as a one-row product on CPU.
 
@@ -39,9 +54,13 @@ def matmul(x: Float[Array, "... I"], w: Float[Array, "I O"], *, out_dtype=None) 
     took 60-70 ms, two rows 5 ms), and rounds differently. A lone row is padded to two and the
     pad dropped, so a 1-row decode step costs what a 2-row one does and gives the same values
     as a row of a K+1-row verify (tests/generate/test_row_invariance.py). `out_dtype` is the result and
-    accumulation dtype (float32 for logits); default: the promoted input dtype.
+    accumulation dtype (float32 for logits); default: the promoted input dtype. Within
+    `training_matmuls_on_cpu_kernel` the product runs on the CPU kernel instead, where it fits.
     """
     lead = x.shape[:-1]
+    if _TRAINING_ON_KERNEL.get() and kernels.trainable_fits(x, w):
+        y = kernels.trainable_matmul(x.reshape(-1, x.shape[-1]), w).reshape(lead + (w.shape[-1],))
+        return y.astype(out_dtype or jnp.result_type(x.dtype, w.dtype))
     if math.prod(lead) != 1 or jax.default_backend() != "cpu":
         return jnp.matmul(x, w, preferred_element_type=out_dtype)
     x3 = jnp.pad(x.reshape(1, 1, x.shape[-1]), ((0, 0), (0, 1), (0, 0)))

@@ -121,6 +121,9 @@ class TrainConfig(_Frozen):
     eval_every: int = 0  # 0 = no periodic validation
     eval_batches: int = 4
     mesh_data: int = -1  # devices on the data axis (-1 = all)
+    # The step's matrix products: cpu_kernel runs them and their gradients on the CPU kernel's
+    # tiles (bf16 operands, float32 sums; one device); auto: there on a CPU with AMX, else XLA.
+    matmul: Literal["auto", "xla", "cpu_kernel"] = "auto"
     progress: bool = True
     max_steps: int | None = None  # stop early (for tests / chunked runs); schedule uses optim.total_steps
     # A folder in the repository for the trainable weights (bf16, shards <= 20 MB), written every

@@ -28,6 +28,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from peagle_jax.models.layers import matmul
+
 NEG = -1e30
 
 
@@ -162,7 +164,7 @@ def _draft_logits(drafter, prenorm):
 def _target_logits(drafter, hidden):
     # The drafter's lm_head is frozen and equal to the target's draft-vocab rows.
     w = jax.lax.stop_gradient(drafter.lm_head[...])
-    return (hidden.astype(jnp.float32) @ w.astype(jnp.float32))
+    return matmul(hidden.astype(jnp.float32), w.astype(jnp.float32), out_dtype=jnp.float32)
 
 
 def peagle_loss(drafter, rows: Rows, mask_embed, num_depths: int):

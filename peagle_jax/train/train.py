@@ -28,6 +28,7 @@ Launch example (2 hosts, 8 GPUs each):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import sys
@@ -45,7 +46,9 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from peagle_jax import kernels
 from peagle_jax.drafters import DrafterConfig, create_drafter
+from peagle_jax.models.layers import training_matmuls_on_cpu_kernel
 from peagle_jax.sharding import maybe_initialize_distributed
 from peagle_jax.train.cod import cod_sample
 from peagle_jax.train.committed import load_state, read_state_info, save_state
@@ -212,6 +215,19 @@ def online_rows(target_graphdef, target_state, raw_tokens, rows: Rows) -> Rows:
     aux = jax.lax.stop_gradient(out.aux_hidden[:, :-1])
     fh = jax.lax.stop_gradient(out.final_hidden[:, 1:])
     return rows._replace(aux=aux, target_hidden=fh)
+
+
+def step_matmuls_on_cpu_kernel(cfg: TrainConfig, devices: int) -> bool:
+    """Whether the step's matrix products run on the CPU kernel (`TrainConfig.matmul`): asked
+    for, or auto on a single CPU device whose kernel runs AMX tiles (2.4x XLA's float32 dot on
+    a head's shapes, docs/cpu-kernels.md)."""
+    if cfg.matmul == "xla":
+        return False
+    why = (f"the {jax.default_backend()} backend" if jax.default_backend() != "cpu" else
+           f"{devices} devices (the kernel runs on one)" if devices != 1 else kernels.cpu.unavailable_reason())
+    if cfg.matmul == "cpu_kernel" and why:
+        raise ValueError(f"matmul=cpu_kernel cannot run here: {why}")
+    return why is None and (cfg.matmul == "cpu_kernel" or kernels.cpu.instruction_set() == "amx")
 
 
 class Trainer:
@@ -394,6 +410,9 @@ class Trainer:
         loss_fn = make_loss_fn(self.cfg, self.graphdef)
         tx, tg = self.tx, self.target_graphdef
         seed = self.cfg.seed
+        on_kernel = step_matmuls_on_cpu_kernel(self.cfg, self.mesh.devices.size)
+        self.log(f"step matmuls: {'the CPU kernel (bf16 operands)' if on_kernel else 'XLA'}")
+        products = training_matmuls_on_cpu_kernel if on_kernel else contextlib.nullcontext
 
         def prepare(rows, raw, target_state):
             if tg is not None:
@@ -401,16 +420,18 @@ class Trainer:
             return rows
 
         def train_step(trainable, opt_state, frozen, rows, raw, target_state, step):
-            rows = prepare(rows, raw, target_state)
             key = jax.random.fold_in(jax.random.key(seed), step)
-            (loss, per), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, frozen, rows, key)
+            with products():
+                rows = prepare(rows, raw, target_state)
+                (loss, per), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, frozen, rows, key)
             updates, opt_state = tx.update(grads, opt_state, trainable)
             trainable = optax.apply_updates(trainable, updates)
             return trainable, opt_state, {"loss": loss, "per": per, "grad_norm": optax.global_norm(grads)}
 
         def eval_step(trainable, frozen, rows, raw, target_state):
-            rows = prepare(rows, raw, target_state)
-            loss, per = loss_fn(trainable, frozen, rows, jax.random.key(0))
+            with products():
+                rows = prepare(rows, raw, target_state)
+                loss, per = loss_fn(trainable, frozen, rows, jax.random.key(0))
             return {"loss": loss, "per": per}
 
         self._train_step = jax.jit(train_step, donate_argnums=(0, 1))

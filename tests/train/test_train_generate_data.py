@@ -25,7 +25,9 @@ def llm():
 def test_prompt_mix_covers_the_domains_and_keeps_the_splits_apart():
     train, val = build_prompts("train", math_problems=200), build_prompts("val", math_problems=200)
     domains = {p.domain for p in train}
-    assert {"code_complete", "code_explain", "code_tests", "code_task", "docs_summary", "rewrite", "math"} <= domains
+    assert {"code_complete", "code_explain", "code_tests", "code_task", "docs_summary", "rewrite", "math",
+            "chat"} <= domains
+    assert "chat" in {p.domain for p in val}
     assert domains <= set(DOMAINS)
     assert not {p.id for p in train} & {p.id for p in val}
     assert [p.id for p in build_prompts("train", math_problems=200)] == [p.id for p in train]  # deterministic
@@ -152,3 +154,24 @@ def test_each_shard_keeps_the_weights_that_wrote_it(tmp_path):
     old["target_weights"] = "bf16"
     (tmp_path / "manifest.json").write_text(json.dumps(old))
     assert _weights_by_shard(tmp_path)["train-00001.npz"] == "bf16"
+
+
+def test_domains_flag_names_what_is_unknown(capsys):
+    """A run on some domains rebalances a folder; a misspelt domain stops before the model loads."""
+    from peagle_jax.train.generate_data import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--domains", "math,chitchat"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "chitchat" in err and "chat" in err
+
+
+def test_manifest_keeps_every_runs_command(tmp_path):
+    from peagle_jax.train.generate_data import _previous_runs
+
+    assert _previous_runs(tmp_path) == []
+    (tmp_path / "manifest.json").write_text(json.dumps({"command": "first"}))
+    assert _previous_runs(tmp_path) == ["first"]
+    (tmp_path / "manifest.json").write_text(json.dumps({"command": "second", "runs": ["first", "second"]}))
+    assert _previous_runs(tmp_path) == ["first", "second"]

@@ -98,7 +98,7 @@ DP_SCRIPT = textwrap.dedent("""
     tmp = Path({tmp!r})
     out = {{}}
     for n in (1, 2):
-        out[n] = [r["loss"] for r in Trainer(_cfg(tmp, f"dp{{n}}", mesh_data=n, max_steps=3)).run()]
+        out[n] = [r["loss"] for r in Trainer(_cfg(tmp, f"dp{{n}}", mesh_data=n, max_steps=3, matmul="xla")).run()]
     print("RESULT", json.dumps(out))
 """)
 
@@ -174,3 +174,22 @@ def test_fine_tuning_can_give_the_head_the_data_vocabulary(tmp_path):
         with_draft_vocabulary(old, tuned.target, ids[::-1])
     with pytest.raises(ValidationError, match="init_vocab=data"):
         _cfg(tmp_path, "novocab", **{"drafter.init_vocab": "data"})
+
+
+def test_step_on_the_cpu_kernel_follows_xla(tmp_path):
+    """matmul=cpu_kernel (the default on AMX) trains the same head as XLA's float32 products, up
+    to the bf16 rounding of their operands; where it cannot run, asking for it says why."""
+    import kernels_cpu
+    from peagle_jax.train.train import step_matmuls_on_cpu_kernel
+
+    assert not step_matmuls_on_cpu_kernel(_cfg(tmp_path, "x", matmul="xla"), 1)
+    if not kernels_cpu.available():
+        with pytest.raises(ValueError, match="matmul=cpu_kernel cannot run here"):
+            step_matmuls_on_cpu_kernel(_cfg(tmp_path, "k", matmul="cpu_kernel"), 1)
+        pytest.skip(f"kernels_cpu unavailable: {kernels_cpu.unavailable_reason()}")
+    with pytest.raises(ValueError, match="2 devices"):
+        step_matmuls_on_cpu_kernel(_cfg(tmp_path, "k", matmul="cpu_kernel"), 2)
+    losses = {m: [r["loss"] for r in Trainer(_cfg(tmp_path, m, matmul=m, max_steps=4)).run()]
+              for m in ("xla", "cpu_kernel")}
+    np.testing.assert_allclose(losses["cpu_kernel"], losses["xla"], rtol=2e-2)
+    assert losses["cpu_kernel"][-1] < losses["cpu_kernel"][0]
