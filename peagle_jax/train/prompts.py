@@ -225,7 +225,8 @@ _EMAILS = (
     "asking a professor for a recommendation letter", "cancelling a gym membership",
 )
 _STORIES = (
-    "a robot who learns to paint", "a girl who finds a map in her grandmother's attic", "a lost dog finding its way home",
+    "a robot who learns to paint", "a girl who finds a map in her grandmother's attic",
+    "a lost dog finding its way home",
     "a baker who wakes up able to hear thoughts", "two strangers stuck in an elevator", "the last tree in a city",
     "a time traveller who can only go back one minute", "a shy dragon", "a chess game that decides a kingdom",
     "a letter delivered fifty years late", "a lighthouse that turns itself off", "a cat who runs a bookshop",
