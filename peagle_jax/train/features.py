@@ -147,11 +147,16 @@ def target_features(target, tokens: np.ndarray):
     return np.asarray(a, np.float32), np.asarray(h, np.float32)
 
 
-def _bucket(n: int, lo: int = 32) -> int:
-    b = lo
-    while b < n:
-        b *= 2
-    return b
+def _bucket(n: int, step: int = 64) -> int:
+    """The padded length of a batch whose longest document has n tokens: the next multiple of
+    `step`. Powers of two padded the self-distilled documents to 1.9x their tokens; this and
+    length-sorted batches (`_EXTRACT_WINDOW`) to about 1.1x, for a handful more programs."""
+    return max(step, -(-n // step) * step)
+
+
+_EXTRACT_WINDOW = 16
+"""Batches per window of consecutive documents: a window is batched in length order, so a
+batch holds documents of similar length, and its features are written in document order."""
 
 
 class FeatureStore:
@@ -295,19 +300,24 @@ def extract_to_disk(cfg: TrainConfig, split: str, target, docs: list[Doc], log=p
     t0, ntok = time.time(), 0
     i = next_doc
     while i < len(docs):
-        batch = docs[i : i + bs]
-        cap = -(-chunk_len(cfg) // 64) * 64  # e.g. 513 -> 576, not 1024
-        t = min(_bucket(max(len(d.tokens) for d in batch)), cap)
-        arr = np.zeros((bs, t), np.int32)
-        for j, d in enumerate(batch):
-            arr[j, : len(d.tokens)] = d.tokens
-        a, h = target_features(target, arr)
-        for j, d in enumerate(batch):
+        window = docs[i : i + bs * _EXTRACT_WINDOW]
+        order = sorted(range(len(window)), key=lambda j: len(window[j].tokens))
+        features: list[tuple[np.ndarray, np.ndarray]] = [None] * len(window)  # type: ignore[list-item]
+        for start in range(0, len(order), bs):
+            rows = order[start : start + bs]
+            arr = np.zeros((bs, _bucket(max(len(window[j].tokens) for j in rows))), np.int32)
+            for r, j in enumerate(rows):
+                arr[r, : len(window[j].tokens)] = window[j].tokens
+            a, h = target_features(target, arr)
+            for r, j in enumerate(rows):
+                n = len(window[j].tokens)
+                features[j] = (a[r, :n], h[r, :n])
+        for d, (a, h) in zip(window, features, strict=True):
             buf_docs.append(d)
-            buf_aux.append(a[j, : len(d.tokens)])
-            buf_hid.append(h[j, : len(d.tokens)])
+            buf_aux.append(a)
+            buf_hid.append(h)
             ntok += len(d.tokens)
-        i += len(batch)
+        i += len(window)
         if sum(len(d.tokens) for d in buf_docs) >= cfg.data.shard_tokens or i >= len(docs):
             done.append(_write_shard(root, shard_idx, first, buf_docs, buf_aux, buf_hid, cfg.data.feature_dtype))
             shard_idx += 1
