@@ -20,6 +20,7 @@
 #define PEAGLE_AMX __attribute__((target("amx-tile,amx-bf16")))
 #define PEAGLE_AMX_BW __attribute__((target("avx512f,avx512bw,amx-tile,amx-bf16")))
 #define PEAGLE_AMX_DPBF16 __attribute__((target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")))
+#define PEAGLE_AMX_INT8 __attribute__((target("avx512f,avx512bw,amx-tile,amx-int8")))
 
 namespace peagle {
 
@@ -50,6 +51,18 @@ inline int loop_set() {
     return 1;
   }();
   return set;
+}
+
+// Whether the GGUF blocks' matmul may run its integer sums on AMX tiles (gemv_group.cc): the
+// AMX loops run here (loop_set() == 2) and the CPU has AMX-INT8 (CPUID leaf 7, EDX bit 25).
+inline bool amx_int8_usable() {
+  static const bool usable = [] {
+    if (loop_set() != 2) return false;
+    unsigned a, b, c, d;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    return ((d >> 25) & 1) != 0;
+  }();
+  return usable;
 }
 
 // Whether this host may run the AVX512-BF16 dot-product loops (gemv_quant.cc's, attention_bf16.cc's

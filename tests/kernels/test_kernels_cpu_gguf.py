@@ -73,6 +73,10 @@ def test_kernel_is_the_dequantized_product_and_row_invariant(name):
     assert error.max() < 5e-4, error.max(axis=1)
     for rows in range(1, 7):
         np.testing.assert_array_equal(np.asarray(kernels_cpu.matmul(x[:rows], packed)), y[:rows])
+    # many rows (AMX hosts sum them on integer tiles: blocks of 16, chunks of 256) give each row
+    # the bits it has alone (one row always runs the AVX2 loop)
+    many = np.asarray(kernels_cpu.matmul(jnp.tile(x, (43, 1)), packed))
+    np.testing.assert_array_equal(many, np.tile(y, (43, 1)))
     bf16 = np.asarray(kernels_cpu.matmul(x, packed, jnp.bfloat16))
     np.testing.assert_array_equal(bf16, np.asarray(jnp.asarray(y).astype(jnp.bfloat16)))
 
