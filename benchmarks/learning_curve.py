@@ -1,8 +1,8 @@
 """How much data a head needs: held-out acceptance length against training tokens.
 
 For each budget of answer tokens it trains the config's head on the first conversations of the
-`generate_data` folder that hold that many answer tokens (`data.max_docs`; the folder's order is
-a shuffled mix, so every prefix has every domain), for steps in proportion to the budget (the same
+`generate_data` folder that hold that many answer tokens (`data.max_docs`; `shards.read_split`
+reads them in a fixed mixed order, so every prefix has every domain), for steps in proportion to the budget (the same
 epochs at every size), exports it, and measures greedy acceptance on the folder's held-out val
 prompts (`peagle_jax.train.evaluate`). Features are extracted once, for all the data, and every
 run reads its prefix of them. Each step is its own process, and a budget whose evaluation is
@@ -32,11 +32,9 @@ from benchmarks import common
 def budget_docs(generated_dir: Path, budgets: list[int | None]) -> dict[int | None, tuple[int, int]]:
     """{budget: (documents, answer tokens)}: the fewest leading training conversations holding at
     least `budget` answer tokens (None: all of them)."""
-    from peagle_jax.train.shards import read_records
+    from peagle_jax.train.shards import read_split
 
-    records = read_records(generated_dir, "train")
-    if not records:
-        raise FileNotFoundError(f"{generated_dir} holds no training shards (python -m peagle_jax.train.generate_data)")
+    records = read_split(generated_dir, "train")  # the order training reads them in
     total = sum(len(r.response) for r in records)
     out: dict[int | None, tuple[int, int]] = {}
     for budget in budgets:

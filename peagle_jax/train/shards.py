@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -130,12 +131,16 @@ def read_records(folder: Path, split: str) -> list[Record]:
 
 
 def read_split(folder: Path, split: str) -> list[Record]:
-    """Every record of a split's shards; FileNotFoundError, with the command that writes them,
-    where the split has none."""
+    """Every record of a split's shards, in a fixed mixed order (a hash of each conversation
+    turn's name) rather than the order runs wrote them: a run that rebalanced the folder
+    (`generate_data --domains`) wrote one kind of answer only, and any prefix of the split
+    (`data.max_docs`, the learning curve's budgets, the held-out prompts) should hold every
+    domain in its share. FileNotFoundError, with the command that writes them, where the split
+    has none."""
     if not shard_paths(folder, split):
         raise FileNotFoundError(f"{folder} holds no {split} shards; write them first with: python -m "
                                 f"peagle_jax.train.generate_data --out {folder} --split {split}")
-    return read_records(folder, split)
+    return sorted(read_records(folder, split), key=lambda r: zlib.crc32(f"{r.name}/{r.turn}".encode()))
 
 
 def summarize(records: Iterable[Record]) -> dict:
