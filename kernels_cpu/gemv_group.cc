@@ -125,26 +125,26 @@ void tile_rows(const uint32_t* xp, int64_t I, const float* pow2, const float* xs
 // ---- AMX: the same integer sums on tiles ----------------------------------------------------
 // Where the CPU has AMX-INT8 (cpu_features.h), calls of kAmxMinRows rows or more take the group
 // sums from integer tile dot products. A row's 16-bit integer splits exactly as
-// x16 = 128 * hi + lo (hi = x16 >> 7 in [-128, 127], lo = x16 & 127), so a group's sum is
-// 128 * (hi . q) + (lo . q): two int32 tile sums, each exact, and so is their combination. The
-// float steps after it are the AVX2 loop's, in its order (2^e * scale times the sum, then the
-// min term), so a row has the same bits on either path, at every row count.
-// Rows go in blocks of 16 (the tiles' rows; a call's last block padded with zero rows), groups
-// one at a time: per group the tile's 32 columns are rearranged once into the tiles' operand
-// layout (4 consecutive inputs of a column in one 32-bit lane) and serve every row block.
-constexpr int64_t kAmxMinRows = 4;  // fewer rows: the AVX2 loop is faster (a 1536 x 8960 Q4_K product, 2 rows: 0.52 against 0.68 ms)
-constexpr int64_t kAmxRowChunk = 256;  // rows whose inputs and sums stay in L2 while a tile serves them
+// x16 = 128 * hi + lo (hi = x16 >> 7 in [-128, 127], lo = x16 & 127 in [0, 127], both signed
+// bytes), so a group's sum is 128 * (hi . q) + (lo . q): two int32 sums, each exact, and so is
+// their combination. A block of b <= 8 rows goes in as one tile of 2b rows, its hi bytes above
+// its lo bytes, so one tile dot product per 16 columns gives both sums. The float steps after
+// them are the AVX2 loop's, in its order (2^e * scale times the sum, then the min term), so a
+// row has the same bits on either path, at every row count.
+// Per group the tile's 32 columns are laid out once into the tiles' operand layout (4
+// consecutive inputs of a column in one 32-bit lane) and serve every block of the call.
+constexpr int64_t kAmxMinRows = 4;  // fewer rows: the AVX2 loop is faster (docs/cpu-kernels.md)
+constexpr int64_t kAmxBlocksPerChunk = 32;  // blocks whose bytes and sums stay in L2 while a tile serves them
 
-// The tiles: 0 and 1 the rows' hi and lo bytes of one group [rows, group], 2 and 3 the group's
-// weights for columns 0-15 and 16-31 [group / 4, 64 bytes], 4-7 the sums hi.q and lo.q for each
-// half [rows, 16] int32. rows: 16, or a call's row count below it (fewer rows to move).
-PEAGLE_AMX_INT8 inline void amx_int8_configure(int64_t group, int64_t rows) {
+// The tiles: 0 a block's hi and lo bytes of one group [2b, group], 2 and 3 the group's weights for
+// columns 0-15 and 16-31 [group / 4, 64 bytes], 4 and 5 their sums [2b, 16] int32.
+PEAGLE_AMX_INT8 inline void amx_int8_configure(int64_t group, int64_t block) {
   peagle::TileConfig cfg{};
   cfg.palette = 1;
-  const uint8_t r = static_cast<uint8_t>(rows);
-  for (int t = 0; t < 2; ++t) { cfg.rows[t] = r; cfg.colsb[t] = static_cast<uint16_t>(group); }
+  const uint8_t r = static_cast<uint8_t>(2 * block);
+  cfg.rows[0] = r; cfg.colsb[0] = static_cast<uint16_t>(group);
   for (int t = 2; t < 4; ++t) { cfg.rows[t] = static_cast<uint8_t>(group / 4); cfg.colsb[t] = 64; }
-  for (int t = 4; t < 8; ++t) { cfg.rows[t] = r; cfg.colsb[t] = 64; }
+  for (int t = 4; t < 6; ++t) { cfg.rows[t] = r; cfg.colsb[t] = 64; }
   __asm__ __volatile__("" : : "r"(&cfg) : "memory");  // see amx.h: GCC must keep the stores
   _tile_loadconfig(&cfg);
 }
@@ -183,45 +183,36 @@ PEAGLE_AMX_INT8 inline void operand_layout<G8>(const uint8_t* q, uint8_t* b0, ui
   }
 }
 
-// The four int32 sums of one 16-row block and group: hi.q and lo.q for each half, into
-// sums[4][16][16] (G4: hi signed, lo and q unsigned; G8: q signed).
+// One block's sums of one group, hi rows above lo rows, for each half: sums[2][2b][16] int32
+// (G4: q unsigned, G8: signed; the bytes are signed either way).
 template <class F>
-PEAGLE_AMX_INT8 inline void tile_sums(const int8_t* hi, const uint8_t* lo, int64_t stride, int32_t* sums) {
-  _tile_loadd(0, hi, stride);
-  _tile_loadd(1, lo, stride);
+PEAGLE_AMX_INT8 inline void tile_sums(const int8_t* block, int64_t stride, int32_t* sums) {
+  _tile_loadd(0, block, stride);
   _tile_zero(4);
   _tile_zero(5);
-  _tile_zero(6);
-  _tile_zero(7);
   if constexpr (F::kMin) {
     _tile_dpbsud(4, 0, 2);
-    _tile_dpbuud(5, 1, 2);
-    _tile_dpbsud(6, 0, 3);
-    _tile_dpbuud(7, 1, 3);
+    _tile_dpbsud(5, 0, 3);
   } else {
     _tile_dpbssd(4, 0, 2);
-    _tile_dpbusd(5, 1, 2);
-    _tile_dpbssd(6, 0, 3);
-    _tile_dpbusd(7, 1, 3);
+    _tile_dpbssd(5, 0, 3);
   }
   _tile_stored(4, sums, 64);
   _tile_stored(5, sums + 256, 64);
-  _tile_stored(6, sums + 512, 64);
-  _tile_stored(7, sums + 768, 64);
 }
 
-// One 16-row block's sums of one group into the accumulators: the AVX2 loop's float steps
-// (tile_rows), 16 columns at a time, so the same bits.
+// One block's sums of one group (rows of the b-row block) into the accumulators: the AVX2
+// loop's float steps (tile_rows), 16 columns at a time, so the same bits.
 template <class F>
-PEAGLE_AMX_INT8 inline void add_group(const int32_t* sums, const float* scale, int64_t rows, const float* pow2,
-                                      const float* xsum, int64_t G, float* acc) {
+PEAGLE_AMX_INT8 inline void add_group(const int32_t* sums, int64_t b, const float* scale, int64_t rows,
+                                      const float* pow2, const float* xsum, int64_t G, float* acc) {
   const __m512 scale_lo = _mm512_loadu_ps(scale), scale_hi = _mm512_loadu_ps(scale + 16);
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 e = _mm512_set1_ps(pow2[r * G]);
     float* a = acc + r * kTile;
-    const int32_t* h = sums + r * 16;
-    const __m512i s0 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(h), 7), _mm512_loadu_si512(h + 256));
-    const __m512i s1 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(h + 512), 7), _mm512_loadu_si512(h + 768));
+    const int32_t *h = sums + r * 16, *l = sums + (b + r) * 16;
+    const __m512i s0 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(h), 7), _mm512_loadu_si512(l));
+    const __m512i s1 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(h + 256), 7), _mm512_loadu_si512(l + 256));
     __m512 v0 = _mm512_fmadd_ps(_mm512_mul_ps(scale_lo, e), _mm512_cvtepi32_ps(s0), _mm512_loadu_ps(a));
     __m512 v1 = _mm512_fmadd_ps(_mm512_mul_ps(scale_hi, e), _mm512_cvtepi32_ps(s1), _mm512_loadu_ps(a + 16));
     if constexpr (F::kMin) {
@@ -234,47 +225,44 @@ PEAGLE_AMX_INT8 inline void add_group(const int32_t* sums, const float* scale, i
   }
 }
 
-// Rows [r0, r1) (r1 - r0 <= kAmxRowChunk; hi / lo padded to whole blocks of 16) times tile
-// `tile`, into y [M, O] at the tile's columns. Pipelined by one step: while the tiles sum a
-// block, the vector units add the previous block's sums and lay out the next group's weights
-// (double buffers), instead of each waiting on the other's stores.
+// Rows [r0, r1) (whole blocks of b rows but the call's last; at most kAmxBlocksPerChunk blocks)
+// times tile `tile`, into y [M, O] at the tile's columns. `bytes`: per block of b rows, 2b rows
+// of I bytes (hi, then lo; a last block padded with zero rows). Pipelined by one step: while the
+// tiles sum a block, the vector units add the previous block's sums and lay out the next
+// group's weights (double buffers).
 template <class F>
-PEAGLE_AMX_INT8 void amx_tile_rows(int64_t r0, int64_t r1, const int8_t* hi, const uint8_t* lo, int64_t I,
+PEAGLE_AMX_INT8 void amx_tile_rows(int64_t r0, int64_t r1, int64_t b, const int8_t* bytes, int64_t I,
                                    const float* pow2, const float* xsum, int64_t G, const uint8_t* tile, float* y,
                                    int64_t O) {
-  alignas(64) float acc[kAmxRowChunk * kTile];
-  alignas(64) uint8_t b[2][2][F::kGroup / 4 * 64];
-  alignas(64) int32_t sums[2][4 * 256];
+  alignas(64) float acc[kAmxBlocksPerChunk * 8 * kTile];
+  alignas(64) uint8_t w[2][2][F::kGroup / 4 * 64];
+  alignas(64) int32_t sums[2][2 * 256];
   const int64_t rows = r1 - r0;
   std::memset(acc, 0, sizeof(float) * rows * kTile);
-  operand_layout<F>(tile + F::kHeader, b[0][0], b[0][1]);
+  operand_layout<F>(tile + F::kHeader, w[0][0], w[0][1]);
   int64_t last_g = -1, last_b = 0, cur = 0;
+  auto add_last = [&](const int32_t* s) {
+    const int64_t m = r0 + last_b;
+    add_group<F>(s, b, reinterpret_cast<const float*>(tile + last_g * F::kRecord), std::min(b, rows - last_b),
+                 pow2 + m * G + last_g, xsum + m * G + last_g, G, acc + last_b * kTile);
+  };
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* rec = tile + g * F::kRecord;
-    _tile_loadd(2, b[g & 1][0], 64);
-    _tile_loadd(3, b[g & 1][1], 64);
-    for (int64_t b0 = 0; b0 < rows; b0 += 16) {
-      const int64_t at = (r0 + b0) * I + g * F::kGroup;
-      tile_sums<F>(hi + at, lo + at, I, sums[cur]);
+    _tile_loadd(2, w[g & 1][0], 64);
+    _tile_loadd(3, w[g & 1][1], 64);
+    for (int64_t b0 = 0; b0 < rows; b0 += b) {
+      tile_sums<F>(bytes + (r0 + b0) * 2 * I + g * F::kGroup, I, sums[cur]);
       if (b0 == 0 && g + 1 < G) {
         _mm_prefetch(reinterpret_cast<const char*>(rec + F::kRecord) + kAhead, _MM_HINT_T0);
-        operand_layout<F>(rec + F::kRecord + F::kHeader, b[(g + 1) & 1][0], b[(g + 1) & 1][1]);
+        operand_layout<F>(rec + F::kRecord + F::kHeader, w[(g + 1) & 1][0], w[(g + 1) & 1][1]);
       }
-      if (last_g >= 0) {
-        const int64_t m = r0 + last_b;
-        add_group<F>(sums[cur ^ 1], reinterpret_cast<const float*>(tile + last_g * F::kRecord),
-                     std::min<int64_t>(16, rows - last_b), pow2 + m * G + last_g, xsum + m * G + last_g, G,
-                     acc + last_b * kTile);
-      }
+      if (last_g >= 0) add_last(sums[cur ^ 1]);
       last_g = g;
       last_b = b0;
       cur ^= 1;
     }
   }
-  const int64_t m = r0 + last_b;
-  add_group<F>(sums[cur ^ 1], reinterpret_cast<const float*>(tile + last_g * F::kRecord),
-               std::min<int64_t>(16, rows - last_b), pow2 + m * G + last_g, xsum + m * G + last_g, G,
-               acc + last_b * kTile);
+  add_last(sums[cur ^ 1]);
   for (int64_t r = 0; r < rows; ++r) std::memcpy(y + (r0 + r) * O, acc + r * kTile, sizeof(float) * kTile);
 }
 
@@ -286,9 +274,8 @@ struct Job {
   std::vector<uint32_t> xp;  // the rows as 16-bit integer pairs [M, I/2]
   std::vector<float> pow2;   // per row, per group: the power of two x16 counts in [M, G]
   std::vector<float> xsum;   // per row, per group: 2^e * sum x16 (G4's min term) [M, G]
-  bool amx = false;          // the integer sums on AMX tiles, from:
-  std::vector<int8_t> hi;    //   x16 >> 7 [M rounded up to 16, I]
-  std::vector<uint8_t> lo;   //   x16 & 127
+  int64_t amx_block = 0;     // the integer sums on AMX tiles, in blocks of this many rows (0: AVX2), from
+  std::vector<int8_t> bytes;  // per block its rows' x16 >> 7, then their x16 & 127 [M / block, 2 * block, I]
   const uint8_t* Q;
   float* y;                  // float32 result, or `sums` when the result is bf16
   std::unique_ptr<float[]> sums;
@@ -297,7 +284,7 @@ struct Job {
   // Tile by tile, every row block over the tile while it is in cache: a long call (a prompt's
   // prefill) reads each weight from memory once, not once per block of rows.
   void Tiles(int64_t t0, int64_t t1) {
-    if (amx) {
+    if (amx_block > 0) {
       AmxTiles(t0, t1);
     } else {
       AvxTiles(t0, t1);
@@ -308,10 +295,11 @@ struct Job {
 
   // Row chunks outermost, so a chunk's bytes stay in L2 while the span's tiles pass over them.
   PEAGLE_AMX_INT8 void AmxTiles(int64_t t0, int64_t t1) {
-    amx_int8_configure(F::kGroup, std::min<int64_t>(M, 16));
-    for (int64_t r0 = 0; r0 < M; r0 += kAmxRowChunk)
+    amx_int8_configure(F::kGroup, amx_block);
+    const int64_t chunk = kAmxBlocksPerChunk * amx_block;
+    for (int64_t r0 = 0; r0 < M; r0 += chunk)
       for (int64_t t = t0; t < t1; ++t)
-        amx_tile_rows<F>(r0, std::min(M, r0 + kAmxRowChunk), hi.data(), lo.data(), I, pow2.data(), xsum.data(), G,
+        amx_tile_rows<F>(r0, std::min(M, r0 + chunk), amx_block, bytes.data(), I, pow2.data(), xsum.data(), G,
                          Q + t * G * F::kRecord, y + t * kTile, O);
     _tile_release();
   }
@@ -385,15 +373,18 @@ ffi::Error GemvGroup(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::Buff
     for (int64_t g = 0; g < G; ++g)
       job->pow2[m * G + g] = to_x16(xs + m * I + g * F::kGroup, F::kGroup, row + g * F::kGroup, &job->xsum[m * G + g]);
   }
-  job->amx = M >= kAmxMinRows && peagle::amx_int8_usable();
-  if (job->amx) {
-    const int64_t padded = (M + 15) / 16 * 16;
-    job->hi.assign(padded * I, 0);
-    job->lo.assign(padded * I, 0);
+  if (M >= kAmxMinRows && peagle::amx_int8_usable()) {
+    const int64_t b = std::min<int64_t>(M, 8), blocks = (M + b - 1) / b;
+    job->amx_block = b;
+    job->bytes.assign(blocks * 2 * b * I, 0);
     const int16_t* x16 = reinterpret_cast<const int16_t*>(job->xp.data());
-    for (int64_t i = 0; i < M * I; ++i) {
-      job->hi[i] = static_cast<int8_t>(x16[i] >> 7);
-      job->lo[i] = static_cast<uint8_t>(x16[i] & 127);
+    for (int64_t m = 0; m < M; ++m) {
+      int8_t* hi = job->bytes.data() + ((m / b) * 2 * b + m % b) * I;
+      int8_t* lo = hi + b * I;
+      for (int64_t i = 0; i < I; ++i) {
+        hi[i] = static_cast<int8_t>(x16[m * I + i] >> 7);
+        lo[i] = static_cast<int8_t>(x16[m * I + i] & 127);
+      }
     }
   }
   const int64_t workers = peagle::tile_workers(pool, job->tiles);
