@@ -48,35 +48,39 @@ class Rows(NamedTuple):
     chain_idx: jax.Array | None = None  # [B, M, K-1]
 
 
-def _group(q, num_kv):
-    b, t, nh, d = q.shape
-    return q.reshape(b, t, num_kv, nh // num_kv, d)
-
-
 def attend(q, k0, v0, ctx_limit, doc, extra_k=None, extra_v=None, extra_mask=None):
     """Queries [B,R,Nh,D] over depth-0 keys j <= ctx_limit[b,r] of the same document
     (doc of the key == doc of element ctx_limit), plus optional per-query extra keys
-    [B,R,E,Nkv,D] (mask [B,R,E]) in the same softmax. Returns [B,R,Nh,D]."""
-    num_kv, d = k0.shape[2], k0.shape[3]
-    qg = _group(q.astype(jnp.float32), num_kv)  # [B,R,Nkv,G,D]
+    [B,R,E,Nkv,D] (mask [B,R,E]) in the same softmax. Returns [B,R,Nh,D].
+
+    The scores are laid out [B, Nkv, G, R, S] (batch axes first, keys last), so neither product
+    nor softmax transposes them, and the extra keys join the softmax through a shared max and
+    sum instead of a concatenation: in the step's profile the [B, R, Nkv, G, S] layout spent
+    more time copying the scores than computing them (docs/notes/2026-12-06-session-40.md)."""
+    b, r, nh, d = q.shape
+    num_kv = k0.shape[2]
     scale = 1.0 / jnp.sqrt(jnp.float32(d))
-    s_ctx = jnp.einsum("brkgd,bskd->brkgs", qg, k0.astype(jnp.float32)) * scale
+    qg = q.astype(jnp.float32).reshape(b, r, num_kv, nh // num_kv, d).transpose(0, 2, 3, 1, 4)  # [B,Nkv,G,R,D]
+    kt = k0.astype(jnp.float32).transpose(0, 2, 1, 3)  # [B,Nkv,S,D]
+    vt = v0.astype(jnp.float32).transpose(0, 2, 1, 3)
+    s_ctx = jnp.einsum("bkgrd,bksd->bkgrs", qg, kt) * scale
     n = k0.shape[1]
     j = jnp.arange(n)[None, None, :]
     qdoc = jnp.take_along_axis(doc, ctx_limit, axis=1)  # [B,R]
     ok = (j <= ctx_limit[..., None]) & (doc[:, None, :] == qdoc[..., None]) & (qdoc[..., None] >= 0)
-    s_ctx = jnp.where(ok[:, :, None, None, :], s_ctx, NEG)
+    s_ctx = jnp.where(ok[:, None, None], s_ctx, NEG)
     if extra_k is None:
         p = jax.nn.softmax(s_ctx, axis=-1)
-        out = jnp.einsum("brkgs,bskd->brkgd", p, v0.astype(jnp.float32))
+        out = jnp.einsum("bkgrs,bksd->bkgrd", p, vt)
     else:
-        s_ex = jnp.einsum("brkgd,brekd->brkge", qg, extra_k.astype(jnp.float32)) * scale
-        s_ex = jnp.where(extra_mask[:, :, None, None, :], s_ex, NEG)
-        p = jax.nn.softmax(jnp.concatenate([s_ctx, s_ex], axis=-1), axis=-1)
-        out = jnp.einsum("brkgs,bskd->brkgd", p[..., :n], v0.astype(jnp.float32))
-        out = out + jnp.einsum("brkge,brekd->brkgd", p[..., n:], extra_v.astype(jnp.float32))
-    b, r = q.shape[:2]
-    return out.reshape(b, r, -1).astype(q.dtype)
+        s_ex = jnp.einsum("bkgrd,brekd->bkgre", qg, extra_k.astype(jnp.float32)) * scale
+        s_ex = jnp.where(extra_mask[:, None, None], s_ex, NEG)
+        top = jax.lax.stop_gradient(jnp.maximum(s_ctx.max(-1, keepdims=True), s_ex.max(-1, keepdims=True)))
+        e_ctx, e_ex = jnp.exp(s_ctx - top), jnp.exp(s_ex - top)
+        total = e_ctx.sum(-1, keepdims=True) + e_ex.sum(-1, keepdims=True)
+        out = (jnp.einsum("bkgrs,bksd->bkgrd", e_ctx, vt)
+               + jnp.einsum("bkgre,brekd->bkgrd", e_ex, extra_v.astype(jnp.float32))) / total
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, r, nh * d).astype(q.dtype)
 
 
 def peagle_forward(drafter, rows: Rows, mask_embed, mask_feature):
