@@ -30,10 +30,16 @@ namespace peagle {
 //   PEAGLE_CPU_KERNEL_NO_DPBF16=1  no AVX512-BF16 dot products;
 //   PEAGLE_CPU_KERNEL_AVX2=1       where neither of those runs, AVX2 only (8 lanes).
 
-// AMX-BF16 and AMX-TILE in CPUID leaf 7, and the kernel's permission to use the tile state.
-inline bool amx_usable() {
+// CPUID leaf 7, subleaf 0: EDX holds the AMX bits (22 AMX-BF16, 24 AMX-TILE, 25 AMX-INT8).
+inline unsigned cpuid7_edx() {
   unsigned a, b, c, d;
   __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+  return d;
+}
+
+// AMX-BF16 and AMX-TILE in CPUID leaf 7, and the kernel's permission to use the tile state.
+inline bool amx_usable() {
+  const unsigned d = cpuid7_edx();
   if (!((d >> 22) & 1) || !((d >> 24) & 1)) return false;
   constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
@@ -56,12 +62,7 @@ inline int loop_set() {
 // Whether the GGUF blocks' matmul may run its integer sums on AMX tiles (gemv_group.cc): the
 // AMX loops run here (loop_set() == 2) and the CPU has AMX-INT8 (CPUID leaf 7, EDX bit 25).
 inline bool amx_int8_usable() {
-  static const bool usable = [] {
-    if (loop_set() != 2) return false;
-    unsigned a, b, c, d;
-    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-    return ((d >> 25) & 1) != 0;
-  }();
+  static const bool usable = loop_set() == 2 && ((cpuid7_edx() >> 25) & 1) != 0;
   return usable;
 }
 

@@ -7,7 +7,7 @@ draft head; `pack_g4` / `pack_g8`: a quantized GGUF target's own blocks), each o
 `TILE` columns contiguous.
 
 `trainable_matmul` is the same kernel with gradients, for training a draft head on a CPU: its
-AMX tiles run 2.4x XLA:CPU's float32 dot on a head's shapes (docs/cpu-kernels.md).
+AMX tiles run 2.4x XLA:CPU's float32 dot on a head's shapes (docs/training.md).
 """
 
 from __future__ import annotations

@@ -296,16 +296,17 @@ def main(argv: list[str] | None = None) -> int:
         if a.commit:
             git_commit(folder, f"data: {llm.model_name} magpie user turns ({a.split})")
     weights = llm.options.get("target_weights", "bf16")
+    old = _old_manifest(folder)
     header = {"model": llm.model_name, "model_file": llm.model_path.name, "model_sha256": file_sha256(llm.model_path),
               "python": sys.version.split()[0],
               "settings": {k: v for k, v in vars(a).items() if k != "commit" and v is not None},
               # the file's own blocks or bf16 (Options.target_weights): greedy answers can differ at near-ties,
               # so each shard records what wrote it (a resumed run may choose the faster one for its host)
               "target_weights": weights,
-              "target_weights_by_shard": _weights_by_shard(folder),
+              "target_weights_by_shard": _weights_by_shard(old),
               "mix": dict(Counter(p.domain for p in prompts)),
               "command": "python -m peagle_jax.train.generate_data " + " ".join(argv or sys.argv[1:])}
-    header["runs"] = _previous_runs(folder) + [header["command"]]
+    header["runs"] = _previous_runs(old) + [header["command"]]
 
     def on_shard(path: Path) -> None:
         header["target_weights_by_shard"][path.name] = weights
@@ -323,13 +324,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _weights_by_shard(folder: Path) -> dict[str, str]:
+def _old_manifest(folder: Path) -> dict:
+    """The manifest an earlier run left in `folder` ({} where there is none)."""
+    path = folder / "manifest.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _weights_by_shard(old: dict) -> dict[str, str]:
     """{shard file: the target weights that wrote it} from an earlier run's manifest (shards
     written before this was recorded take the run's single `target_weights`)."""
-    path = folder / "manifest.json"
-    if not path.exists():
-        return {}
-    old = json.loads(path.read_text())
     known = dict(old.get("target_weights_by_shard") or {})
     for split in ("train", "val"):
         for shard in (old.get(split) or {}).get("shards", []):
@@ -337,13 +340,9 @@ def _weights_by_shard(folder: Path) -> dict[str, str]:
     return known
 
 
-def _previous_runs(folder: Path) -> list[str]:
-    """The commands of the runs that wrote this folder before (a manifest from before runs were
-    listed holds only its last command)."""
-    path = folder / "manifest.json"
-    if not path.exists():
-        return []
-    old = json.loads(path.read_text())
+def _previous_runs(old: dict) -> list[str]:
+    """The commands of the runs that wrote the folder before, from its earlier manifest (one from
+    before runs were listed holds only its last command)."""
     if old.get("runs"):
         return list(old["runs"])
     return [old["command"]] if old.get("command") else []

@@ -143,17 +143,17 @@ def test_each_shard_keeps_the_weights_that_wrote_it(tmp_path):
     keep the earlier run's setting, recorded or not."""
     import json
 
-    from peagle_jax.train.generate_data import _weights_by_shard
+    from peagle_jax.train.generate_data import _old_manifest, _weights_by_shard
 
-    assert _weights_by_shard(tmp_path) == {}
+    assert _weights_by_shard(_old_manifest(tmp_path)) == {}
     old = {"target_weights": "file", "train": {"shards": [{"file": "train-00000.npz"}, {"file": "train-00001.npz"}]},
            "val": {"shards": []}}
     (tmp_path / "manifest.json").write_text(json.dumps(old))
-    assert _weights_by_shard(tmp_path) == {"train-00000.npz": "file", "train-00001.npz": "file"}
+    assert _weights_by_shard(_old_manifest(tmp_path)) == {"train-00000.npz": "file", "train-00001.npz": "file"}
     old["target_weights_by_shard"] = {"train-00000.npz": "file", "train-00001.npz": "bf16"}
     old["target_weights"] = "bf16"
     (tmp_path / "manifest.json").write_text(json.dumps(old))
-    assert _weights_by_shard(tmp_path)["train-00001.npz"] == "bf16"
+    assert _weights_by_shard(_old_manifest(tmp_path))["train-00001.npz"] == "bf16"
 
 
 def test_domains_flag_names_what_is_unknown(capsys):
@@ -168,10 +168,10 @@ def test_domains_flag_names_what_is_unknown(capsys):
 
 
 def test_manifest_keeps_every_runs_command(tmp_path):
-    from peagle_jax.train.generate_data import _previous_runs
+    from peagle_jax.train.generate_data import _old_manifest, _previous_runs
 
-    assert _previous_runs(tmp_path) == []
+    assert _previous_runs(_old_manifest(tmp_path)) == []
     (tmp_path / "manifest.json").write_text(json.dumps({"command": "first"}))
-    assert _previous_runs(tmp_path) == ["first"]
+    assert _previous_runs(_old_manifest(tmp_path)) == ["first"]
     (tmp_path / "manifest.json").write_text(json.dumps({"command": "second", "runs": ["first", "second"]}))
-    assert _previous_runs(tmp_path) == ["first", "second"]
+    assert _previous_runs(_old_manifest(tmp_path)) == ["first", "second"]
