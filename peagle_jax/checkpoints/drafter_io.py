@@ -17,6 +17,9 @@ lm_head is [Vd, H], ``mask_hidden`` is [1, 1, 3*Ht], ``d2t`` is int64 [Vd] (targ
 id + d2t[draft id]) and ``t2d`` is bool [V]. ``embed_tokens`` and ``lm_head`` may be left out
 (vLLM then shares the target's); `load_drafter` fills them from a target model.
 
+Heads above `MAX_SHARD_BYTES` (20 MiB) are written as HF shards with a
+``model.safetensors.index.json``, as transformers and vLLM write and read large checkpoints.
+
 Saves are atomic: everything is written and fsynced in a temporary sibling directory, which
 then replaces the destination (the old directory is renamed aside first and deleted only once
 the new one is in place).
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import uuid
 import warnings
@@ -49,8 +53,12 @@ from peagle_jax.pytree_paths import param_paths
 Layout = Literal["aws", "speculators"]
 
 WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
-_OUR_FILES = {WEIGHTS_NAME, CONFIG_NAME}
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+# Heads above this size are written as HF shards (model-0000i-of-0000n.safetensors + an index),
+# which keeps every file of a committed head small; a tensor larger than this gets a shard alone.
+MAX_SHARD_BYTES = 20 * 2**20
 
 _SAVE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 # Config keys under which a P-EAGLE mask (placeholder) token id may appear.
@@ -247,6 +255,38 @@ def _write_tensors(tensors: Mapping[str, np.ndarray], file: Path) -> None:
         os.fsync(fh.fileno())
 
 
+def _shards(tensors: Mapping[str, np.ndarray], max_bytes: int) -> list[dict[str, np.ndarray]]:
+    """Split `tensors` (in key order) into groups of at most `max_bytes`, a larger tensor alone."""
+    groups: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for key, arr in tensors.items():
+        if groups[-1] and size + arr.nbytes > max_bytes:
+            groups.append({})
+            size = 0
+        groups[-1][key] = arr
+        size += arr.nbytes
+    return groups
+
+
+def _write_weights(tensors: Mapping[str, np.ndarray], directory: Path, max_bytes: int) -> None:
+    """One `model.safetensors`, or HF shards plus `model.safetensors.index.json` past `max_bytes`."""
+    groups = _shards(tensors, max_bytes)
+    if len(groups) == 1:
+        _write_tensors(groups[0], directory / WEIGHTS_NAME)
+        return
+    weight_map = {}
+    for i, group in enumerate(groups, start=1):
+        name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        _write_tensors(group, directory / name)
+        weight_map.update(dict.fromkeys(group, name))
+    index = {"metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))}, "weight_map": weight_map}
+    _write_text(json.dumps(index, indent=2) + "\n", directory / INDEX_NAME)
+
+
+def _is_ours(name: str) -> bool:
+    return name in (WEIGHTS_NAME, INDEX_NAME, CONFIG_NAME) or _SHARD_NAME.fullmatch(name) is not None
+
+
 def _write_text(text: str, file: Path) -> None:
     with open(file, "w", encoding="utf-8") as fh:
         fh.write(text)
@@ -295,6 +335,7 @@ def save_drafter(
     include_embed_tokens: bool = True,
     include_lm_head: bool = True,
     dtype: str = "float32",
+    max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> Path:
     """Write `drafter` as a directory with `model.safetensors` and `config.json`.
 
@@ -303,7 +344,9 @@ def save_drafter(
     the verifier architecture and max_position_embeddings, and is checked for compatibility.
     `include_embed_tokens=False` / `include_lm_head=False` leave those tensors out (loaders
     then share the target's). The destination is replaced atomically; an existing
-    destination must hold only a previous checkpoint (config.json, model.safetensors).
+    destination must hold only a previous checkpoint (config.json, model.safetensors or its
+    shards). Weights above `max_shard_bytes` are written as HF shards with an index, which
+    vLLM and transformers read as they read a single file.
     Returns the destination path.
     """
     cfg: DrafterConfig = drafter.config
@@ -335,7 +378,7 @@ def save_drafter(
     if dest.exists():
         if not dest.is_dir():
             raise FileExistsError(f"{dest} exists and is not a directory")
-        foreign = sorted(p.name for p in dest.iterdir() if p.name not in _OUR_FILES)
+        foreign = sorted(p.name for p in dest.iterdir() if not _is_ours(p.name))
         if foreign:
             raise FileExistsError(
                 f"{dest} holds files that are not part of a drafter checkpoint ({', '.join(foreign)}); "
@@ -345,7 +388,7 @@ def save_drafter(
     tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        _write_tensors(tensors, tmp / WEIGHTS_NAME)
+        _write_weights(tensors, tmp, max_shard_bytes)
         _write_text(json.dumps(config, indent=2, sort_keys=False) + "\n", tmp / CONFIG_NAME)
         _fsync_dir(tmp)
         _replace_dir(tmp, dest)
@@ -367,6 +410,17 @@ def _read_tensors(model_dir: Path) -> dict[str, np.ndarray]:
             for key in fh.keys():
                 named[key] = fh.get_tensor(key)
     return named
+
+
+def tensor_names(model_dir: str | Path) -> set[str]:
+    """The tensor names a head directory holds (one file or HF shards), without reading them."""
+    from peagle_jax.checkpoints.hf import _safetensors_files
+
+    names: set[str] = set()
+    for f in _safetensors_files(Path(model_dir)):
+        with safe_open(str(f), framework="numpy") as fh:
+            names.update(fh.keys())
+    return names
 
 
 def _mask_token_id(raw: dict[str, Any]) -> int | None:

@@ -36,9 +36,8 @@ from pathlib import Path
 import numpy as np
 import orbax.checkpoint as ocp
 import yaml
-from safetensors import safe_open
 
-from peagle_jax.checkpoints.drafter_io import save_drafter
+from peagle_jax.checkpoints.drafter_io import save_drafter, tensor_names
 from peagle_jax.train.config import TrainConfig
 from peagle_jax.train.features import load_target_and_tokenizer
 from peagle_jax.train.train import build_drafter, export_drafter, make_optimizer, split_params
@@ -113,8 +112,7 @@ def reexport(head, out, *, model=None, layout="aws", dtype="bfloat16", vocab_fro
         eos = eos_token_ids(load_tokenizer(path), path)
         ids = draft_ids_from_answers(vocab_from, target.config.vocab_size, size, always=eos)
         drafter = with_draft_vocabulary(drafter, target, ids)
-    with safe_open(head / "model.safetensors", "np") as f:
-        include_embed = "embed_tokens.weight" in f.keys()
+    include_embed = "embed_tokens.weight" in tensor_names(head)
     paths = []
     for lay in (["aws", "speculators"] if layout == "both" else [layout]):
         dest = Path(out) / lay if layout == "both" else Path(out)

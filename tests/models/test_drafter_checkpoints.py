@@ -312,3 +312,26 @@ def test_bf16_save_loads(tmp_path, target_cfg):
     (o32, _), (o16, _) = _forward(loaded), _forward(lb)
     assert o16.logits.shape == o32.logits.shape and np.isfinite(np.asarray(o16.logits)).all()
     np.testing.assert_allclose(np.asarray(o16.logits), np.asarray(o32.logits), atol=0.5, rtol=0.1)
+
+
+def test_large_head_is_written_as_hf_shards(tmp_path, target_cfg):
+    # Past max_shard_bytes the weights become model-0000i-of-0000n.safetensors + an HF index
+    # (a tensor larger than the limit gets a shard alone); loading reads them as one file.
+    d = _make(target_cfg, peagle=True)
+    path = save_drafter(d, tmp_path / "head", layout="aws", target_config=target_cfg, max_shard_bytes=4096)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in path.glob("model-*.safetensors"))
+    assert len(shards) > 2 and not (path / "model.safetensors").exists()
+    assert sorted(set(index["weight_map"].values())) == shards
+    assert all(name.endswith(f"-of-{len(shards):05d}.safetensors") for name in shards)
+    sizes = {}
+    for name in shards:
+        with safe_open(str(path / name), framework="numpy") as fh:
+            sizes[name] = [fh.get_tensor(k).nbytes for k in fh.keys()]
+    assert all(sum(s) <= 4096 or len(s) == 1 for s in sizes.values())
+    assert index["metadata"]["total_size"] == sum(map(sum, sizes.values()))
+    assert drafter_io.tensor_names(path) == set(index["weight_map"])
+    _assert_same_params(d, load_drafter(path))
+    # a later single-file save replaces the sharded directory (its files are ours, not foreign)
+    save_drafter(d, path, layout="aws", target_config=target_cfg)
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors"]
