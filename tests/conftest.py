@@ -223,6 +223,26 @@ def _gguf_experts(sd: dict, c) -> dict:
     return out
 
 
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """Float rows [R, C] -> Q6_K blocks as llama.cpp lays them out ([R, C / 256 * 210] bytes): per
+    16 weights a scale d * sc (sc int8, d float16 per 256), q in [-32, 31]. A plain round-to-nearest
+    quantizer (llama.cpp searches scales harder); enough to make valid test files."""
+    rows = w.shape[0]
+    x = w.reshape(-1, 16, 16).astype(np.float32)  # [blocks, sub-block, weight]
+    sub = np.abs(x).max(axis=-1) / 31.0
+    d = (sub.max(axis=-1) / 127.0).astype(np.float16)
+    d32 = d.astype(np.float32)
+    sc = np.where(d32[:, None] > 0, np.rint(sub / np.where(d32 > 0, d32, 1.0)[:, None]), 0).clip(0, 127).astype(np.int8)
+    step = d32[:, None] * sc.astype(np.float32)
+    q = np.where(step[..., None] > 0, np.rint(x / np.where(step > 0, step, 1.0)[..., None]), 0).clip(-32, 31)
+    u = (q.astype(np.int16) + 32).astype(np.uint8).reshape(-1, 2, 4, 32)  # [block, half, quarter, l]
+    low = u & 0x0F
+    ql = (low[:, :, :2] | (low[:, :, 2:] << 4)).reshape(-1, 128)
+    qh = sum(((u[:, :, k] >> 4) << (2 * k)) for k in range(4)).astype(np.uint8).reshape(-1, 64)
+    blocks = np.concatenate([ql, qh, sc.view(np.uint8), d[:, None].view(np.uint8)], axis=1)
+    return blocks.reshape(rows, -1)
+
+
 def write_gguf(hf, path: Path, *, rope_freqs: np.ndarray | None = None, linear_factor: float | None = None,
                types: dict | None = None):
     """A minimal llama.cpp-style GGUF of an HF model (names, q/k permutation, experts): F32, or
@@ -288,6 +308,8 @@ def write_gguf(hf, path: Path, *, rope_freqs: np.ndarray | None = None, linear_f
         qtype = next((t for pattern, t in (types or {}).items() if re.fullmatch(pattern, name)), None)
         if qtype is None:
             w.add_tensor(name, arr)
+        elif qtype == gguf.GGMLQuantizationType.Q6_K:  # gguf-py has no Q6_K quantizer
+            w.add_tensor(name, quantize_q6_k(arr), raw_dtype=qtype)
         else:
             w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
     w.write_header_to_file()

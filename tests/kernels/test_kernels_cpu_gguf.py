@@ -56,8 +56,7 @@ def test_kernel_is_the_dequantized_product_and_row_invariant(name):
     qtype = T[name]
     out, inp = 96, 512
     gw = group_weights(random_blocks(qtype, out, inp, rng), qtype, out, inp)
-    pack = kernels_cpu.pack_g4 if gw.format == "g4" else kernels_cpu.pack_g8
-    packed = jnp.asarray(pack(gw.q, gw.scale, gw.min) if gw.format == "g4" else pack(gw.q, gw.scale))
+    packed = jnp.asarray(_pack(gw))
     w = gw.dequantize()
     np.testing.assert_array_equal(np.asarray(kernels_cpu.unpack_group(packed)), w)
     x = rng.standard_normal((7, inp))
@@ -81,6 +80,12 @@ def test_kernel_is_the_dequantized_product_and_row_invariant(name):
     np.testing.assert_array_equal(bf16, np.asarray(jnp.asarray(y).astype(jnp.bfloat16)))
 
 
+def _pack(gw):
+    if gw.format == "g4":
+        return kernels_cpu.pack_g4(gw.q, gw.scale, gw.min)
+    return kernels_cpu.pack_g8(gw.q, gw.scale)
+
+
 def test_packers_reject_shapes_they_cannot_tile():
     with pytest.raises(ValueError, match="multiple of 32"):
         kernels_cpu.pack_g4(np.zeros((64, 40), np.uint8), np.zeros((2, 40), np.float32), np.zeros((2, 40), np.float32))
@@ -88,9 +93,10 @@ def test_packers_reject_shapes_they_cannot_tile():
         kernels_cpu.pack_g8(np.zeros((24, 32), np.int8), np.zeros((1, 32), np.float32))
 
 
-# Layer 0 in 4-bit blocks, layer 1 mixed (q / k 4-bit with v 8-bit: no fused q/k/v call), the
-# embedding or lm_head in Q8_0; norms stay F32.
-_TYPES = {r"blk\.0\.(attn_[qkv]|attn_output|ffn_gate|ffn_up|ffn_down)\.weight": T.Q4_0,
+# Layer 0 in 4-bit blocks but its down projection in Q6_K, layer 1 mixed (q / k 4-bit with v
+# 8-bit: no fused q/k/v call), the embedding or lm_head in Q8_0; norms stay F32.
+_TYPES = {r"blk\.0\.(attn_[qkv]|attn_output|ffn_gate|ffn_up)\.weight": T.Q4_0,
+          r"blk\.0\.ffn_down\.weight": T.Q6_K,
           r"blk\.1\.(attn_[qk]|attn_output|ffn_gate|ffn_up)\.weight": T.Q4_1,
           r"blk\.1\.attn_v\.weight": T.Q8_0, r"blk\.1\.ffn_down\.weight": T.Q5_0,
           r"(token_embd|output)\.weight": T.Q8_0}
@@ -110,13 +116,14 @@ def test_a_quantized_gguf_target_runs_on_its_own_blocks(make_tiny_hf, tmp_path, 
     from peagle_jax.drafters.ngram import NgramProposer
     from peagle_jax.models.options import choose_matmul, configure_inference
 
-    hf = make_tiny_hf(arch, intermediate_size=128, num_hidden_layers=2, tie_word_embeddings=arch == "llama")
+    hf = make_tiny_hf(arch, intermediate_size=256, num_hidden_layers=2, tie_word_embeddings=arch == "llama")
     path = tmp_path / "m.gguf"
     write_gguf(hf, path, types=_TYPES)
     target, found = load_gguf_model_with_blocks(path)
     assert {k: v.format for k, v in found.items()} == {
         **{f"layers.0.{m}": "g4" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                          "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")},
+                                          "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj")},
+        "layers.0.mlp.down_proj": "g8",
         **{f"layers.1.{m}": "g4" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj",
                                           "mlp.gate_proj", "mlp.up_proj")},
         "layers.1.self_attn.v_proj": "g8", "layers.1.mlp.down_proj": "g8",
@@ -130,6 +137,7 @@ def test_a_quantized_gguf_target_runs_on_its_own_blocks(make_tiny_hf, tmp_path, 
     assert layer0.self_attn.qkv_packed[...].shape[-1] == kernels_cpu.G4_RECORD  # one fused call
     assert layer1.self_attn.qkv_packed is None  # mixed formats: a call each
     assert layer1.self_attn.v_proj.kernel_packed[...].shape[-1] == kernels_cpu.G8_RECORD
+    assert layer0.mlp.down_proj.kernel_packed[...].shape[-1] == kernels_cpu.G8_RECORD
     assert target.lm_head_packed[...].shape[-1] == kernels_cpu.G8_RECORD
 
     reference = load_target(path, dtype="float32")
@@ -152,3 +160,12 @@ def test_target_weights_file_names_what_it_needs(tmp_path):
         Options(target_weights="file", dtype="float32")
     assert "not a GGUF file" in _file_weights_blocker(Options(), tmp_path / "hf", None)
     assert "matmul auto or cpu_kernel" in _file_weights_blocker(Options(matmul="xla"), tmp_path / "m.gguf", None)
+
+
+def test_the_test_files_q6_k_quantizer_round_trips():
+    from conftest import quantize_q6_k
+
+    w = np.random.default_rng(3).standard_normal((8, 512)).astype(np.float32)
+    back = dequantize(quantize_q6_k(w), T.Q6_K).reshape(w.shape)
+    step = np.abs(w.reshape(-1, 16)).max(axis=1, keepdims=True) / 31.0
+    assert (np.abs(back - w).reshape(-1, 16) <= 0.6 * step + 1e-3).all()
