@@ -1,10 +1,12 @@
 """benchmarks.learning_curve end to end on a tiny random target and a hand-made generate_data
 folder: features once, two budgets trained, exported and evaluated on held-out prompts, the
-table and the PNG written, and a rerun resumes from the evaluations already done."""
+table and the PNG written, and a rerun resumes from the evaluations already done; then the
+one-run curve over a run's exported checkpoints."""
 
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -46,3 +48,23 @@ def test_curve_trains_each_budget_and_resumes(tmp_path, monkeypatch):
     monkeypatch.setattr(learning_curve, "run", lambda cmd, log: calls.append(cmd[2]) or "")
     assert learning_curve.main(argv) == 0
     assert calls == ["peagle_jax.train.features"]
+
+    # the one-run curve: heads exported from a run's checkpoints, evaluated, tokens from its metrics
+    run_dir = tmp_path / "runs" / "tiny_curve" / "all"
+    monkeypatch.undo()  # the real `run` again
+    monkeypatch.chdir(tmp_path)
+    heads = tmp_path / "heads"
+    learning_curve.run([sys.executable, "-m", "peagle_jax.train.export", "--run_dir",
+                        str(run_dir), "--out", str(heads / "step_6"), "--layout", "aws", "--step", "6"],
+                       tmp_path / "export.log")
+    one = ["--config", "tiny.yaml", "--checkpoints", str(heads), "--num-draft-tokens", "3", "--prompts", "2",
+           "--max-new-tokens", "8", "--out", "one", f"run_dir={run_dir}"]
+    assert learning_curve.main(one) == 0
+    summary = json.loads((tmp_path / "one" / "learning_curve.json").read_text())
+    seen = sum(json.loads(line)["tokens"] for line in (run_dir / "metrics.jsonl").read_text().splitlines())
+    (row,) = summary["rows"]
+    assert row["steps"] == 6 and row["document_tokens"] == round(seen)
+    assert row["answer_tokens"] == round(seen * 20 / 26)  # prompts of 6 tokens, answers of 20
+    assert 1.0 <= row["mean_acceptance_length"] <= 4.0
+    assert (heads / "step_6.evaluate.json").exists()
+    assert "one run" in (tmp_path / "one" / "learning_curve.md").read_text()
