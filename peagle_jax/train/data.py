@@ -294,8 +294,13 @@ def shuffled(n: int, seed: int, epoch: int) -> np.ndarray:
 
 class PackPlan:
     """Deterministic infinite stream of packed rows: per epoch a seeded permutation of the
-    documents, packed greedily (in order) into rows of `seq_len` shifted elements. A document
-    of L tokens yields L - 1 elements; documents must satisfy L - 1 <= seq_len."""
+    documents, each put in the first row (in order of creation) with room for it. A document
+    of L tokens yields L - 1 elements; documents must satisfy L - 1 <= seq_len.
+
+    First fit, not the next row only: with the 0.5B's self-written conversations (244 tokens on
+    average, up to 513) rows of 512 closed at the first document that did not fit held 77% real
+    tokens; first fit fills them to about 95%, so a step of the same cost reads a quarter more
+    data (docs/training.md). `pack=False`: one document a row."""
 
     def __init__(self, lengths: Sequence[int], seq_len: int, seed: int, pack: bool = True):
         self.elems = np.asarray(lengths, np.int64) - 1
@@ -307,18 +312,20 @@ class PackPlan:
 
     def epoch_rows(self, e: int) -> list[list[int]]:
         if e not in self._epochs:
-            rows, cur, used = [], [], 0
+            rows: list[list[int]] = []
+            room = np.zeros(0, np.int64)  # free elements of each row
             for i in shuffled(len(self.elems), self.seed, e):
                 L = int(self.elems[i])
                 if L <= 0:
                     continue
-                if cur and (not self.pack or used + L > self.seq_len):
-                    rows.append(cur)
-                    cur, used = [], 0
-                cur.append(int(i))
-                used += L
-            if cur:
-                rows.append(cur)
+                fits = np.flatnonzero(room >= L) if self.pack else ()
+                if len(fits):
+                    r = int(fits[0])
+                    rows[r].append(int(i))
+                    room[r] -= L
+                else:
+                    rows.append([int(i)])
+                    room = np.append(room, self.seq_len - L)
             self._epochs[e] = rows
         return self._epochs[e]
 

@@ -32,6 +32,13 @@ def test_pack_plan_deterministic_and_shift():
         flat = sorted(i for r in a.epoch_rows(e) for i in r)
         assert flat == list(range(30))  # every document once per epoch
         assert all(sum(lengths[i] - 1 for i in r) <= 24 for r in a.epoch_rows(e))
+    # first fit: a later document fills an earlier row's room, so no row could take another's
+    # first document (rows are created only when none has room)
+    rows0 = a.epoch_rows(0)
+    used = [sum(lengths[i] - 1 for i in r) for r in rows0]
+    for k, r in enumerate(rows0):
+        assert all(used[j] + lengths[r[0]] - 1 > 24 for j in range(k))
+    assert [len(r) for r in PackPlan(lengths, 24, seed=5, pack=False).epoch_rows(0)] == [1] * 30
     d0 = (np.array([10, 11, 12, 13]), np.array([0, 1, 1, 1]), np.arange(8).reshape(4, 2) * 1.0,
           np.arange(4)[:, None] * 1.0)
     d1 = (np.array([20, 21, 22]), np.array([0, 0, 1]), np.ones((3, 2)), np.full((3, 1), 7.0))
