@@ -7,7 +7,8 @@ Prompts are held out from training: for `data.source: generated` the first turns
 folder's val split (`generate_data --split val`, prompts the training split never saw), else
 the validation split of the self-distillation prompts (stdlib functions held out by file),
 rendered with the target's chat template. Prints one JSON line: mean acceptance length and
-per-position acceptance rates (`speculative_generate`, greedy).
+per-position acceptance rates (`speculative_generate`, greedy); `step` is the run checkpoint's
+(null when `--head` names the head).
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ def main(argv=None):
 
     cfg = TrainConfig.model_validate(yaml.safe_load((Path(a.run_dir) / "config.yaml").read_text()))
     target, tok, eos, _ = load_target_and_tokenizer(cfg)
-    drafter, target, cfg, step = load_trained(a.run_dir, target=target)
-    if a.head:
-        drafter = load_drafter(a.head, target=target)
+    if a.head:  # the run gives the target, the method and the prompts; the head is the file's
+        drafter, step = load_drafter(a.head, target=target), None
+    else:
+        drafter, target, cfg, step = load_trained(a.run_dir, target=target)
     method = cfg.objective.method
     k = a.num_draft_tokens or (cfg.objective.num_depths if method == "peagle" else cfg.objective.ttt_steps)
     if tok is None:
@@ -62,7 +64,7 @@ def main(argv=None):
                                    max_new_tokens=a.max_new_tokens, eos_token_ids=eos)
         acc += res.accepted_per_position
         rounds += res.total_rounds
-    print(json.dumps({"step": step, "method": method, "num_draft_tokens": k, "prompts": len(prompts),
+    print(json.dumps({"step": step, "head": a.head, "method": method, "num_draft_tokens": k, "prompts": len(prompts),
                       "mean_acceptance_length": float((rounds + acc.sum()) / max(rounds, 1)),
                       "acceptance_rate_per_position": (acc / max(rounds, 1)).round(4).tolist()}))
 

@@ -98,7 +98,7 @@ def test_evaluates_the_latest_checkpoint_on_seeded_prompts_in_batches(run, calls
     for drafter, _, _, _ in calls:
         jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6),
                      nnx.state(drafter, nnx.Param), want_state)
-    assert out == {"step": 2, "method": "peagle", "num_draft_tokens": 3, "prompts": 5,
+    assert out == {"step": 2, "head": None, "method": "peagle", "num_draft_tokens": 3, "prompts": 5,
                    "mean_acceptance_length": pytest.approx((15 + 16) / 15),
                    "acceptance_rate_per_position": [0.6, 0.3333, 0.1333]}
 
@@ -125,6 +125,7 @@ def test_acceptance_of_an_oracle_head_is_the_hand_computed_one(run, calls, capsy
     assert [r.rounds.tolist() for *_, r in calls] == [[3], [3]]
     assert out["acceptance_rate_per_position"] == [1.0, 1.0, 0.6667]
     assert out["mean_acceptance_length"] == pytest.approx((6 + 16) / 6)
+    assert out["step"] is None and out["head"] == "HEAD"  # the head's, not the run's latest checkpoint
 
 
 def test_cli_module_path():
