@@ -94,10 +94,10 @@ def tokens_read(metrics: Path) -> dict[int, float]:
     return seen
 
 
-def one_run_rows(cfg, heads: Path, a) -> list[dict[str, Any]]:
-    """Held-out acceptance of every head exported as `heads`/step_<N> from the config's run."""
+def one_run_rows(cfg, heads: Path, share: float, a) -> list[dict[str, Any]]:
+    """Held-out acceptance of every head exported as `heads`/step_<N> from the config's run;
+    `share`: the answers' share of the document tokens (`answer_share`)."""
     seen = tokens_read(Path(cfg.run_dir) / "metrics.jsonl")
-    share = answer_share(Path(cfg.data.generated_dir))
     steps = sorted(int(p.name.split("_", 1)[1]) for p in heads.glob("step_*") if p.name.split("_", 1)[1].isdigit())
     if not steps:
         raise SystemExit(f"--checkpoints {heads}: no step_<N> head folders (train.export --step N --out .../step_N)")
@@ -116,7 +116,7 @@ def one_run_rows(cfg, heads: Path, a) -> list[dict[str, Any]]:
             result.write_text(stdout.strip().splitlines()[-1] + "\n")
         row = json.loads(result.read_text())
         rows.append({"answer_tokens": round(seen[step] * share), "document_tokens": round(seen[step]),
-                     "docs": None, "steps": step, **row})
+                     "steps": step, **row})
         print(f"CURVE step={step} tokens={rows[-1]['answer_tokens']} al={row['mean_acceptance_length']:.3f}",
               flush=True)
     return rows
@@ -185,11 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m benchmarks.learning_curve " + " ".join(argv or sys.argv[1:])
     if a.checkpoints is not None:
         out = Path(a.out or f"results/learning_curve/{name}_one_run")
+        share = answer_share(Path(cfg.data.generated_dir))
         summary = {"config": a.config, "command": command, "kind": "one run", "target": cfg.model.target,
                    "method": cfg.objective.method, "num_draft_tokens": a.num_draft_tokens, "prompts": a.prompts,
-                   "max_new_tokens": a.max_new_tokens,
-                   "answer_share": answer_share(Path(cfg.data.generated_dir)),
-                   "rows": one_run_rows(cfg, Path(a.checkpoints), a), "machine": common.machine_info()}
+                   "max_new_tokens": a.max_new_tokens, "answer_share": share,
+                   "rows": one_run_rows(cfg, Path(a.checkpoints), share, a), "machine": common.machine_info()}
         common.write_json(out / "learning_curve.json", summary)
         write_report(summary, out)
         return 0

@@ -299,7 +299,7 @@ class PackPlan:
 
     First fit, not the next row only: with the 0.5B's self-written conversations (244 tokens on
     average, up to 513) rows of 512 closed at the first document that did not fit held 77% real
-    tokens; first fit fills them to about 95%, so a step of the same cost reads a quarter more
+    tokens; first fit fills them to 97.5%, so a step of the same cost reads a quarter more
     data (docs/training.md). `pack=False`: one document a row."""
 
     def __init__(self, lengths: Sequence[int], seq_len: int, seed: int, pack: bool = True):

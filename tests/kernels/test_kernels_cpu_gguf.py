@@ -56,7 +56,8 @@ def test_kernel_is_the_dequantized_product_and_row_invariant(name):
     qtype = T[name]
     out, inp = 96, 512
     gw = group_weights(random_blocks(qtype, out, inp, rng), qtype, out, inp)
-    packed = jnp.asarray(_pack(gw))
+    pack = kernels_cpu.pack_g4 if gw.format == "g4" else kernels_cpu.pack_g8
+    packed = jnp.asarray(pack(gw.q, gw.scale, gw.min) if gw.format == "g4" else pack(gw.q, gw.scale))
     w = gw.dequantize()
     np.testing.assert_array_equal(np.asarray(kernels_cpu.unpack_group(packed)), w)
     x = rng.standard_normal((7, inp))
@@ -78,12 +79,6 @@ def test_kernel_is_the_dequantized_product_and_row_invariant(name):
     np.testing.assert_array_equal(many, np.tile(y, (43, 1)))
     bf16 = np.asarray(kernels_cpu.matmul(x, packed, jnp.bfloat16))
     np.testing.assert_array_equal(bf16, np.asarray(jnp.asarray(y).astype(jnp.bfloat16)))
-
-
-def _pack(gw):
-    if gw.format == "g4":
-        return kernels_cpu.pack_g4(gw.q, gw.scale, gw.min)
-    return kernels_cpu.pack_g8(gw.q, gw.scale)
 
 
 def test_packers_reject_shapes_they_cannot_tile():
