@@ -23,6 +23,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -300,13 +301,17 @@ class PackPlan:
     First fit, not the next row only: with the 0.5B's self-written conversations (244 tokens on
     average, up to 513) rows of 512 closed at the first document that did not fit held 77% real
     tokens; first fit fills them to 97.5%, so a step of the same cost reads a quarter more
-    data (docs/training.md). `pack=False`: one document a row."""
+    data (docs/training.md). `pack=False`: one document a row. `max_docs` caps the documents a
+    row holds (`raw_row`'s room for the tokens the shift leaves out, one a document)."""
 
-    def __init__(self, lengths: Sequence[int], seq_len: int, seed: int, pack: bool = True):
+    def __init__(self, lengths: Sequence[int], seq_len: int, seed: int, pack: bool = True,
+                 max_docs: int | None = None):
         self.elems = np.asarray(lengths, np.int64) - 1
         if (self.elems > seq_len).any():
             raise ValueError("a document is longer than seq_len + 1 tokens; chunk it first")
-        self.seq_len, self.seed, self.pack = seq_len, seed, pack
+        if max_docs is not None and max_docs < 1:
+            raise ValueError(f"max_docs must be >= 1, got {max_docs}")
+        self.seq_len, self.seed, self.pack, self.max_docs = seq_len, seed, pack, max_docs
         self._epochs: dict[int, list[list[int]]] = {}
         self._starts = [0]
 
@@ -323,6 +328,8 @@ class PackPlan:
                     r = int(fits[0])
                     rows[r].append(int(i))
                     room[r] -= L
+                    if self.max_docs is not None and len(rows[r]) >= self.max_docs:
+                        room[r] = -1  # full: it holds as many documents as a raw row has room for
                 else:
                     rows.append([int(i)])
                     room = np.append(room, self.seq_len - L)
@@ -365,3 +372,38 @@ def pack_row(seq_len: int, docs: Iterable[tuple[np.ndarray, np.ndarray, np.ndarr
             fh[o : o + L] = h[1:]
         o += L
     return tokens, lm, pos, doc, aux, fh
+
+
+class RawRow(NamedTuple):
+    """A packed row's documents as whole token sequences, for a target forward inside the
+    training step (`data.features: online`): each document of L tokens yields L - 1 elements
+    (`pack_row`) but needs all L tokens in the target's input, so the raw row has room for
+    seq_len + max_docs tokens. A document's tokens see only their own document: `start` is
+    the raw index of each token's document start (attention skips the rows before it)."""
+
+    tokens: np.ndarray  # [seq_len + max_docs] int32
+    positions: np.ndarray  # [seq_len + max_docs] int32, restarting at 0 in each document
+    start: np.ndarray  # [seq_len + max_docs] int32
+    elem_index: np.ndarray  # [seq_len] int32: the raw index of element i's taps (its hidden: + 1)
+
+
+def raw_row(seq_len: int, docs: Sequence[np.ndarray], max_docs: int) -> RawRow:
+    """The raw layout of the row `pack_row` makes from the same documents, in the same order."""
+    if len(docs) > max_docs:
+        raise ValueError(f"{len(docs)} documents in one row; the raw row has room for {max_docs}")
+    width = seq_len + max_docs
+    tokens = np.zeros((width,), np.int32)
+    positions = np.zeros((width,), np.int32)
+    start = np.arange(width, dtype=np.int32)  # padding sees itself only
+    elem_index = np.zeros((seq_len,), np.int32)
+    r = e = 0
+    for t in docs:
+        n_tok = len(t)
+        tokens[r : r + n_tok] = t
+        positions[r : r + n_tok] = np.arange(n_tok)
+        start[r : r + n_tok] = r
+        elem_index[e : e + n_tok - 1] = r + np.arange(n_tok - 1)
+        r, e = r + n_tok, e + n_tok - 1
+    if e > seq_len:
+        raise ValueError(f"the documents hold {e} elements, more than seq_len {seq_len}")
+    return RawRow(tokens, positions, start, elem_index)

@@ -2,10 +2,13 @@
 
     python -m peagle_jax.train.export --run_dir ../runs/peagle_smollm2 --out ../runs/peagle_smollm2/export \
         [--layout both|aws|speculators] [--dtype bfloat16|float32] [--step N]
+    python -m peagle_jax.train.export --config configs/train/peagle_qwen05.yaml --out DIR [--layout aws]
     python -m peagle_jax.train.export --head OLD_HEAD_DIR --out NEW_DIR [--model default] [--layout aws]
         [--vocab-from DATA_DIR [--draft-vocab-size N]]
 
-The second form rewrites an existing head (either layout) under this policy, e.g. a head
+The second form exports the weights a run committed to the repository (its config's
+`state_dir`, `train.committed`), on a machine without the run directory or its features.
+The third form rewrites an existing head (either layout) under this policy, e.g. a head
 exported before the lm_head was shipped; its weights are unchanged. With --vocab-from it also
 gives the head a new draft vocabulary: the N (default: the head's size) tokens its target
 writes most often in DATA_DIR (a `generate_data` folder of shards, response tokens only);
@@ -33,6 +36,8 @@ import json
 import warnings
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import yaml
@@ -63,8 +68,32 @@ def load_trained(run_dir: str | Path, step: int | None = None, target=None):
     return export_drafter(graphdef, out["state"]["trainable"], frozen), target, cfg, step
 
 
-def export(run_dir, out, *, layout="both", dtype="bfloat16", step=None) -> list[Path]:
-    drafter, target, cfg, step = load_trained(run_dir, step)
+def load_committed(config: str | Path, target=None):
+    """(drafter, target, config, step) from the weights a run committed to the repository
+    (its config's `state_dir`, `train.committed`): a head from a fresh machine, with no run
+    directory and no features."""
+    from peagle_jax.train.committed import STATE, load_state, read_state_info
+
+    cfg = TrainConfig.model_validate(yaml.safe_load(Path(config).read_text()))
+    if read_state_info(cfg.state_dir) is None:
+        raise FileNotFoundError(f"{config}: no committed state under its state_dir ({cfg.state_dir})")
+    if target is None:
+        target, _, _, _ = load_target_and_tokenizer(cfg)
+    draft_ids = np.load(Path(cfg.state_dir) / STATE / "draft_ids.npy")
+    drafter = build_drafter(cfg, target, draft_ids)
+    graphdef, trainable, frozen = split_params(drafter, cfg.drafter.train_embed, cfg.objective.method)
+    step, weights = load_state(cfg.state_dir, jax.device_get(trainable))
+    trainable = {k: jnp.asarray(weights[k], v.dtype) for k, v in trainable.items()}
+    return export_drafter(graphdef, trainable, frozen), target, cfg, step
+
+
+def export(run_dir, out, *, layout="both", dtype="bfloat16", step=None, config=None) -> list[Path]:
+    """Save a run's head (its latest or `step` checkpoint; with `config` instead of `run_dir`,
+    the state committed under that config's state_dir) under `out/<layout>`."""
+    if config is not None:
+        drafter, target, cfg, step = load_committed(config)
+    else:
+        drafter, target, cfg, step = load_trained(run_dir, step)
     include_embed = cfg.drafter.train_embed != "none"
     paths = []
     for lay in (["aws", "speculators"] if layout == "both" else [layout]):
@@ -131,9 +160,10 @@ def main(argv=None):
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--run_dir", help="a training run directory (its latest or --step checkpoint)")
     src.add_argument("--head", help="an exported head directory to rewrite under the current policy")
+    src.add_argument("--config", help="a training config: export the state its run committed (its state_dir)")
     p.add_argument("--out", required=True)
     p.add_argument("--layout", default=None, choices=["both", "aws", "speculators"],
-                   help="default: both for --run_dir, aws for --head")
+                   help="default: both for --run_dir and --config, aws for --head")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--step", type=int, default=None)
     p.add_argument("--model", default=None, help="--head only: the target (default: the built-in model)")
@@ -154,7 +184,9 @@ def main(argv=None):
         reexport(a.head, a.out, model=a.model, layout=a.layout or "aws", dtype=a.dtype, vocab_from=a.vocab_from,
                  draft_vocab_size=a.draft_vocab_size)
     else:
-        export(a.run_dir, a.out, layout=a.layout or "both", dtype=a.dtype, step=a.step)
+        if a.config is not None and a.step is not None:
+            p.error("--step picks a run directory's checkpoint; a committed state holds one step")
+        export(a.run_dir, a.out, layout=a.layout or "both", dtype=a.dtype, step=a.step, config=a.config)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ from peagle_jax.sharding import maybe_initialize_distributed
 from peagle_jax.train.cod import cod_sample
 from peagle_jax.train.committed import load_state, read_state_info, save_state
 from peagle_jax.train.config import TrainConfig, config_from_argv
-from peagle_jax.train.data import PackPlan, pack_row
+from peagle_jax.train.data import PackPlan, pack_row, raw_row
 from peagle_jax.train.features import (
     FeatureStore,
     ensure_features,
@@ -206,14 +206,25 @@ def make_loss_fn(cfg: TrainConfig, graphdef):
     return loss_fn
 
 
-def online_rows(target_graphdef, target_state, raw_tokens, rows: Rows) -> Rows:
-    """Fill aux / target_hidden from a frozen target forward over raw tokens [B, n+1]."""
+# Documents a packed row holds when the target runs in the step: its raw input has room for
+# seq_len + ONLINE_MAX_DOCS tokens (`data.raw_row`), 3% more than the elements at seq_len 512.
+ONLINE_MAX_DOCS = 16
+
+
+def online_rows(target_graphdef, target_state, raw: dict, rows: Rows) -> Rows:
+    """Fill aux / target_hidden from a frozen target forward over the rows' raw documents
+    (`data.RawRow` fields, batched): one forward over the packed row, each document attending
+    only to itself (cache rows before its start are skipped) at positions from 0, so every
+    element gets the features a forward over its document alone gives."""
     tgt = nnx.merge(target_graphdef, target_state)
-    b, t = raw_tokens.shape
-    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
-    out = tgt(raw_tokens, pos, tgt.init_cache(b, t), return_aux=True, return_final_hidden=True, compute_logits=False)
-    aux = jax.lax.stop_gradient(out.aux_hidden[:, :-1])
-    fh = jax.lax.stop_gradient(out.final_hidden[:, 1:])
+    tokens = raw["tokens"]
+    b, t = tokens.shape
+    slots = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+    out = tgt(tokens, raw["positions"], tgt.init_cache(b, t), return_aux=True, return_final_hidden=True,
+              compute_logits=False, slots=slots, skip=(jnp.zeros_like(slots), raw["start"]))
+    idx = raw["elem_index"][..., None]
+    aux = jax.lax.stop_gradient(jnp.take_along_axis(out.aux_hidden, idx, axis=1))
+    fh = jax.lax.stop_gradient(jnp.take_along_axis(out.final_hidden, idx + 1, axis=1))
     return rows._replace(aux=aux, target_hidden=fh)
 
 
@@ -257,7 +268,8 @@ class Trainer:
             st = self.stores["train"]
             lengths = st.lengths()
             pairs = (st.get(i, with_features=False)[:2] for i in range(len(st)))
-        self.plan = PackPlan(lengths, cfg.data.seq_len, cfg.data.shuffle_seed, pack=not self.online)
+        self.plan = PackPlan(lengths, cfg.data.seq_len, cfg.data.shuffle_seed,
+                             max_docs=ONLINE_MAX_DOCS if self.online else None)
         self.ckpt = ocp.CheckpointManager(
             (self.run_dir / "checkpoints").absolute(),
             options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints, create=True,
@@ -354,7 +366,8 @@ class Trainer:
         nproc, pid = jax.process_count(), jax.process_index()
         local = b // nproc
         n = cfg.data.seq_len
-        cols = {k: [] for k in ("tokens", "aux", "target_hidden", "positions", "doc", "loss_mask", "raw")}
+        cols = {k: [] for k in ("tokens", "aux", "target_hidden", "positions", "doc", "loss_mask")}
+        raws = []
         chains = []
         plan = self.plan if split == "train" else self._val_plan()
         for r in range(pid * local, (pid + 1) * local):
@@ -364,9 +377,7 @@ class Trainer:
                 src = self.docs[split]
                 docs = [(src[i].tokens, src[i].loss_mask, None, None) for i in ids]
                 t, lm, pos, doc, _, _ = pack_row(n, docs, 0, 0)
-                raw = np.zeros((n + 1,), np.int32)
-                raw[: len(docs[0][0])] = docs[0][0]
-                cols["raw"].append(raw)
+                raws.append(raw_row(n, [d[0] for d in docs], ONLINE_MAX_DOCS))
                 aux = fh = None
             else:
                 st = self.stores[split]
@@ -380,6 +391,8 @@ class Trainer:
                 chains.append(cod_sample(lm, doc, num_depths=o.num_depths, ratio=o.down_sample_ratio,
                                          ratio_min=o.down_sample_ratio_min, max_anchors=o.max_anchors, rng=rng))
         out = {k: np.stack(v) for k, v in cols.items() if v and v[0] is not None}
+        if raws:
+            out.update({f"raw_{f}": np.stack([getattr(r, f) for r in raws]) for f in raws[0]._fields})
         if chains:
             out["chain_anchor"] = np.stack([c.anchor for c in chains])
             out["chain_depth"] = np.stack([c.depth for c in chains])
@@ -390,7 +403,7 @@ class Trainer:
     def _val_plan(self):
         if not hasattr(self, "_vplan"):
             lengths = ([len(d.tokens) for d in self.docs["val"]] if self.online else self.stores["val"].lengths())
-            self._vplan = PackPlan(lengths, self.cfg.data.seq_len, 0, pack=not self.online)
+            self._vplan = PackPlan(lengths, self.cfg.data.seq_len, 0, max_docs=ONLINE_MAX_DOCS if self.online else None)
         return self._vplan
 
     def device_rows(self, host: dict, global_b: int):
@@ -400,7 +413,7 @@ class Trainer:
             return jax.make_array_from_process_local_data(self.data_sharding, x, (global_b,) + x.shape[1:])
 
         arrs = {k: put(v) for k, v in host.items()}
-        raw = arrs.pop("raw", None)
+        raw = {k[len("raw_"):]: arrs.pop(k) for k in list(arrs) if k.startswith("raw_")} or None
         rows = Rows(**{f: arrs.get(f) for f in Rows._fields})
         return rows, raw
 
