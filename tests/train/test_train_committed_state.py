@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import json
 
+import jax
 import numpy as np
 import pytest
+import yaml
+from flax import nnx
 
 from peagle_jax.train.committed import load_state, read_state_info, save_state
 from peagle_jax.train.config import load_config
+from peagle_jax.train.export import load_committed
 from peagle_jax.train.train import Trainer
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -40,6 +44,13 @@ def test_a_fresh_machine_goes_on_from_the_committed_weights(tmp_path):
         np.testing.assert_allclose(np.asarray(v), weights[k], rtol=2**-7, atol=1e-6)
     np.testing.assert_array_equal(second.draft_ids, first.draft_ids)
     assert 0 < float(second.sched(4)) < float(first.sched(4))  # a re-warm-up from the resumed step
+    # `export --config` on machine C (no run directory): the head those committed weights make
+    config = tmp_path / "peagle.yaml"
+    config.write_text(yaml.safe_dump(_cfg(tmp_path, "machine_c").model_dump()))
+    head, _, _, step = load_committed(config)
+    assert step == 4
+    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(head)),
+                 nnx.to_pure_dict(nnx.state(second.drafter())))
     recs = second.run()
     assert [r["step"] for r in recs] == [5, 6, 7, 8] and all(np.isfinite(r["loss"]) for r in recs)
     assert read_state_info(tmp_path / "repo" / "state_peagle")["step"] == 8
@@ -55,3 +66,10 @@ def test_a_damaged_or_foreign_state_is_refused(tmp_path):
     shard.write_bytes(shard.read_bytes()[:-3])
     with pytest.raises(ValueError, match="sha256"):
         load_state(tmp_path, like)
+
+
+def test_export_names_a_config_without_a_committed_state(tmp_path):
+    config = tmp_path / "peagle.yaml"
+    config.write_text(yaml.safe_dump(_cfg(tmp_path, "run").model_dump()))
+    with pytest.raises(FileNotFoundError, match="no committed state"):
+        load_committed(config)
