@@ -15,6 +15,7 @@ never replaces a good state.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import shutil
@@ -27,12 +28,15 @@ from peagle_jax.checkpoints.known_models import file_sha256
 from peagle_jax.train.shards import MAX_SHARD_BYTES
 
 STATE = "state"
+METRICS = "metrics.jsonl.gz"
 
 
 def save_state(folder: str | Path, step: int, trainable: dict[str, np.ndarray], about: dict,
-               arrays: dict[str, np.ndarray] | None = None) -> Path:
+               arrays: dict[str, np.ndarray] | None = None, metrics: str | None = None) -> Path:
     """Write `trainable` ({key: array}) in bf16 as `folder/state/`, with `arrays` ({file name:
-    array}, e.g. the draft vocabulary) beside them as .npy files; swapped in atomically."""
+    array}, e.g. the draft vocabulary) beside them as .npy files and `metrics` (the run's
+    metrics.jsonl text, gzipped: a manifest reads it on a machine without the run directory);
+    swapped in atomically."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".{STATE}.tmp"
@@ -60,6 +64,8 @@ def save_state(folder: str | Path, step: int, trainable: dict[str, np.ndarray], 
     flush()
     for name, arr in (arrays or {}).items():
         np.save(tmp / name, arr)
+    if metrics is not None:
+        (tmp / METRICS).write_bytes(gzip.compress(metrics.encode(), mtime=0))
     (tmp / "state.json").write_text(json.dumps({"step": step, "dtype": "bfloat16", "shards": shards, **about},
                                                indent=1) + "\n")
     live, old = folder / STATE, folder / f".{STATE}.old"
@@ -98,3 +104,12 @@ def load_state(folder: str | Path, like: dict[str, np.ndarray]) -> tuple[int, di
         raise ValueError(f"{root} does not fit this run's head: missing {missing}, unexpected {extra}, "
                          f"other shapes {shapes}")
     return int(info["step"]), out
+
+
+def read_metrics(folder: str | Path | None) -> str | None:
+    """The metrics.jsonl text a committed state carries (None: none, e.g. a state written before
+    states carried them)."""
+    path = None if folder is None else Path(folder) / STATE / METRICS
+    if path is None or not path.exists():
+        return None
+    return gzip.decompress(path.read_bytes()).decode()

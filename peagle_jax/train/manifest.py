@@ -2,6 +2,12 @@
 
     python -m peagle_jax.train.manifest --run_dir ../runs/peagle_smollm2 --head assets/heads/smollm2-135m-peagle \
         --command "python -m peagle_jax.train.train --config configs/train/peagle_smollm2.yaml ..." [--val_batches 8]
+    python -m peagle_jax.train.manifest --config configs/train/peagle_qwen05.yaml --head DIR --command "..." \
+        [--extra acceptance.json]
+
+The second form reads the state the run committed (`train.committed`, with the metrics it
+carries) instead of a run directory, and so has no held-out accuracy (that needs features):
+give held-out acceptance with --extra.
 
 Records the exact command and resolved config, data sources and token counts, steps, wall
 time (sum of step times), final training loss, per-depth held-out accuracy (the training
@@ -28,10 +34,14 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def training_summary(run_dir: Path) -> dict:
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+def training_summary(run_dir: Path, text: str | None = None) -> dict:
+    """Steps, time, tokens, final loss and accuracy from a run's metrics.jsonl (or its `text`)."""
+    source = f"{run_dir}/metrics.jsonl"
+    if text is None:
+        text = (run_dir / "metrics.jsonl").read_text()
+    recs = [json.loads(line) for line in text.splitlines() if line.strip()]
     if not recs:
-        raise ValueError(f"{run_dir}/metrics.jsonl has no records: nothing was trained")
+        raise ValueError(f"{source} has no records: nothing was trained")
     last = recs[-10:]
     acc = np.array([[a if a is not None else np.nan for a in r["acc"]] for r in last], dtype=float)
     return {
@@ -46,7 +56,10 @@ def training_summary(run_dir: Path) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m peagle_jax.train.manifest", description=__doc__.splitlines()[0])
-    ap.add_argument("--run_dir", required=True)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run_dir", help="the run directory (its latest checkpoint, metrics and features)")
+    src.add_argument("--config", help="a training config whose committed state (state_dir) made the head: on a "
+                                      "machine without the run directory; no held-out accuracy (it needs features)")
     ap.add_argument("--head", required=True, help="the exported head directory (manifest.json goes there)")
     ap.add_argument("--command", required=True, help="the exact training command line")
     ap.add_argument("--val_batches", type=int, default=8)
@@ -56,11 +69,30 @@ def main(argv=None) -> None:
     from peagle_jax.train.config import TrainConfig
     from peagle_jax.train.train import Trainer
 
-    run_dir, head = Path(a.run_dir), Path(a.head)
-    cfg = TrainConfig.model_validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
-    trainer = Trainer(cfg, log=lambda *_: None)  # restores the latest checkpoint
-    held_out = trainer.evaluate(a.val_batches)
-    stores = getattr(trainer, "stores", {})
+    head = Path(a.head)
+    if a.config is not None:
+        from peagle_jax.train.committed import STATE, read_metrics, read_state_info
+
+        cfg = TrainConfig.model_validate(yaml.safe_load(Path(a.config).read_text()))
+        info = read_state_info(cfg.state_dir)
+        if info is None:
+            raise SystemExit(f"--config {a.config}: no committed state under its state_dir ({cfg.state_dir})")
+        run_dir = Path(cfg.run_dir)
+        metrics = read_metrics(cfg.state_dir)
+        training = (training_summary(run_dir, metrics) if metrics is not None else
+                    {"steps": int(info["step"]), "metrics": "not carried by this committed state"})
+        draft_size = int(np.load(Path(cfg.state_dir) / STATE / "draft_ids.npy").shape[0])
+        held_out, stores = None, {}
+    else:
+        run_dir = Path(a.run_dir)
+        cfg = TrainConfig.model_validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
+        trainer = Trainer(cfg, log=lambda *_: None)  # restores the latest checkpoint
+        result = trainer.evaluate(a.val_batches)
+        held_out = {"val_batches": a.val_batches, "val_loss": round(result["val_loss"], 4),
+                    "val_acc_per_depth": [None if x is None else round(x, 4) for x in result["val_acc"]]}
+        training = training_summary(run_dir)
+        draft_size = int(trainer.draft_ids.shape[0])
+        stores = getattr(trainer, "stores", {})
     data = {
         "source": cfg.data.source,
         "features_dir": cfg.data.features_dir,
@@ -90,15 +122,14 @@ def main(argv=None) -> None:
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "method": cfg.objective.method,
         "target": str(cfg.model.target),
-        "drafter": {"num_layers": cfg.drafter.num_layers, "draft_vocab_size": int(trainer.draft_ids.shape[0]),
+        "drafter": {"num_layers": cfg.drafter.num_layers, "draft_vocab_size": draft_size,
                     "num_depths": cfg.objective.num_depths, "mask_token_id": cfg.drafter.mask_token_id,
                     "train_embed": cfg.drafter.train_embed},
         "command": a.command,
         "config": cfg.model_dump(),
         "data": data,
-        "training": training_summary(run_dir),
-        "held_out": {"val_batches": a.val_batches, "val_loss": round(held_out["val_loss"], 4),
-                     "val_acc_per_depth": [None if x is None else round(x, 4) for x in held_out["val_acc"]]},
+        "training": training,
+        "held_out": held_out,
         "files": {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
                   for p in sorted(head.rglob("*")) if p.is_file() and p.name != "manifest.json"},
     }

@@ -51,7 +51,7 @@ from peagle_jax.drafters import DrafterConfig, create_drafter
 from peagle_jax.models.layers import training_matmuls_on_cpu_kernel
 from peagle_jax.sharding import maybe_initialize_distributed
 from peagle_jax.train.cod import cod_sample
-from peagle_jax.train.committed import load_state, read_state_info, save_state
+from peagle_jax.train.committed import load_state, read_metrics, read_state_info, save_state
 from peagle_jax.train.config import TrainConfig, config_from_argv
 from peagle_jax.train.data import PackPlan, pack_row, raw_row
 from peagle_jax.train.features import (
@@ -303,6 +303,11 @@ class Trainer:
             self.step, weights = load_state(cfg.state_dir, jax.device_get(trainable))
             trainable = {k: jnp.asarray(weights[k], v.dtype) for k, v in trainable.items()}
             log(f"resumed from the committed state of step {self.step} ({cfg.state_dir}): fresh optimizer moments")
+            carried = read_metrics(cfg.state_dir)
+            mpath = self.run_dir / "metrics.jsonl"
+            if carried is not None and not mpath.exists() and jax.process_index() == 0:  # the run's history so far
+                mpath.write_text("".join(line + "\n" for line in carried.splitlines()
+                                         if line.strip() and json.loads(line).get("step", 0) <= self.step))
         self.tx, self.sched = make_optimizer(cfg, self.step)
         rep = NamedSharding(self.mesh, P())
         self.rep, self.data_sharding = rep, NamedSharding(self.mesh, P("data"))
@@ -353,7 +358,9 @@ class Trainer:
         about = {"method": cfg.objective.method, "target": cfg.model.target, "num_layers": cfg.drafter.num_layers,
                  "draft_vocab_size": int(self.draft_ids.shape[0]), "total_steps": cfg.optim.total_steps}
         weights = {k: np.asarray(v) for k, v in jax.device_get(self.trainable).items()}
-        save_state(cfg.state_dir, self.step, weights, about, {"draft_ids.npy": np.asarray(self.draft_ids)})
+        mpath = self.run_dir / "metrics.jsonl"
+        save_state(cfg.state_dir, self.step, weights, about, {"draft_ids.npy": np.asarray(self.draft_ids)},
+                   metrics=mpath.read_text() if mpath.exists() else None)
         if cfg.state_commit:
             git_commit(Path(cfg.state_dir), f"train state: {Path(cfg.state_dir).name} step {self.step}")
 

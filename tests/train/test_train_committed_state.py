@@ -11,9 +11,10 @@ import pytest
 import yaml
 from flax import nnx
 
+from peagle_jax.train import manifest
 from peagle_jax.train.committed import load_state, read_state_info, save_state
 from peagle_jax.train.config import load_config
-from peagle_jax.train.export import load_committed
+from peagle_jax.train.export import export, load_committed
 from peagle_jax.train.train import Trainer
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -40,6 +41,9 @@ def test_a_fresh_machine_goes_on_from_the_committed_weights(tmp_path):
     # machine B: no orbax checkpoint, the same repository folder
     second = Trainer(_cfg(tmp_path, "machine_b"))
     assert second.step == 4
+    # the run's metrics travel with the state: machine B's run directory has steps 1..4
+    carried = (tmp_path / "machine_b" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in carried] == [1, 2, 3, 4]
     for k, v in second.trainable.items():  # the weights, rounded to bf16
         np.testing.assert_allclose(np.asarray(v), weights[k], rtol=2**-7, atol=1e-6)
     np.testing.assert_array_equal(second.draft_ids, first.draft_ids)
@@ -54,6 +58,13 @@ def test_a_fresh_machine_goes_on_from_the_committed_weights(tmp_path):
     recs = second.run()
     assert [r["step"] for r in recs] == [5, 6, 7, 8] and all(np.isfinite(r["loss"]) for r in recs)
     assert read_state_info(tmp_path / "repo" / "state_peagle")["step"] == 8
+    # a head and its manifest from the committed state alone (machine C again)
+    export(None, tmp_path / "head", layout="aws", dtype="float32", config=config)
+    manifest.main(["--config", str(config), "--head", str(tmp_path / "head" / "aws"), "--command", "train ..."])
+    made = json.loads((tmp_path / "head" / "aws" / "manifest.json").read_text())
+    assert made["training"]["steps"] == 8 and made["held_out"] is None
+    assert made["drafter"]["draft_vocab_size"] == len(first.draft_ids)
+    assert set(made["files"]) == {"config.json", "model.safetensors"}
 
 
 def test_a_damaged_or_foreign_state_is_refused(tmp_path):
