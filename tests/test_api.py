@@ -234,3 +234,44 @@ def test_export_gives_a_head_the_vocabulary_of_generated_answers(tmp_path):
         export_main(["--head", str(head), "--out", str(tmp_path / "x"), "--draft-vocab-size", "10"])
     with pytest.raises(FileNotFoundError, match="holds no train shards"):
         export_main(["--head", str(head), "--out", str(tmp_path / "y"), "--vocab-from", str(tmp_path)])
+
+
+def test_the_qwen_coder_05b_peagle_head_ships_whole_and_matches_its_manifest():
+    # 185 MB in bf16, so HF shards with an index (drafter_io.save_drafter); the manifest covers them all
+    import json
+
+    from peagle_jax.checkpoints.default_model import shipped_drafter_path
+    from peagle_jax.train.manifest import sha256_file
+
+    head = shipped_drafter_path("qwen2.5-coder-0.5b-instruct", "peagle")
+    assert head is not None and head.name == "qwen2.5-coder-0.5b-peagle"
+    config = json.loads((head / "config.json").read_text())
+    assert config["parallel_drafting"] and config["num_hidden_layers"] == 4 and config["hidden_size"] == 896
+    index = json.loads((head / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert {"lm_head.weight", "d2t", "fc.weight", "mask_hidden"} <= set(index["weight_map"])
+    manifest = json.loads((head / "manifest.json").read_text())
+    assert set(manifest["files"]) == shards | {"config.json", "model.safetensors.index.json"}
+    recorded = {n: v["sha256"] for n, v in manifest["files"].items()}
+    assert {n: sha256_file(head / n) for n in recorded} == recorded
+    assert manifest["method"] == "peagle" and manifest["tokens_read"]["answer_tokens"] >= 1_000_000
+
+
+@pytest.mark.slow
+def test_load_picks_up_the_qwen_coder_05b_head_and_stays_exact():
+    from peagle_jax import load
+    from peagle_jax.checkpoints.default_model import resolve_model_path
+
+    try:
+        resolve_model_path("qwen2.5-coder-0.5b-instruct")
+    except FileNotFoundError as e:
+        pytest.skip(f"qwen2.5-coder-0.5b-instruct is not installed (bash scripts/setup.sh --model "
+                    f"qwen2.5-coder-0.5b-instruct): {e}")
+    spec = load("qwen2.5-coder-0.5b-instruct", method="peagle")
+    assert spec.drafter is not None and spec.drafter.config.num_hidden_layers == 4
+    assert spec.method == "peagle"
+    plain = load("qwen2.5-coder-0.5b-instruct", method="none")
+    ids = spec.encode_chat("Write a Python function that returns the n-th Fibonacci number.")
+    out = spec.generate([ids], max_new_tokens=48, num_draft_tokens=7)
+    assert out.tokens == plain.generate([ids], max_new_tokens=48).tokens
+    assert out.mean_acceptance_length > 1.5  # a trained head, not a random one
