@@ -190,8 +190,10 @@ def _attend(
             visible = visible & (pos > row_pos - window)
         scores = jnp.where(visible, scores, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))
-        # A window can hide a whole block from a row that has seen nothing yet (max still -inf).
-        m_ref = m_new if window is None else jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        # A window or a skip can hide a whole block from a row that has seen nothing yet (max still
+        # -inf): a document packed after others skips every row before its start.
+        hides_blocks = window is not None or row_lo is not None
+        m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new) if hides_blocks else m_new
         weights = jnp.exp(scores - m_ref)
         rescale = jnp.exp(m - m_ref)
         # The weights' sum as a product with a ones matrix, not a reduction (see the docstring).

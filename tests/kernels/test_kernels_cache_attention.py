@@ -496,6 +496,22 @@ def test_reference_tree_mask_matches_dense(dtype):
         cache_attention_reference(q, k, v, slots, skip_lo=lo)
 
 
+def test_packed_documents_skip_whole_key_blocks():
+    # Training's online features (`train.data.raw_row`): documents packed in one row, each row
+    # hiding every row before its document's start, so a later document's rows see nothing in the
+    # first key blocks; the running max stays -inf there and must not turn the row into NaN.
+    b, kvh, g, s, d = 1, 2, 3, 96, 64
+    q, k, v, _, _ = _make(b, s, kvh, g, s, d, jnp.float32)
+    slots = jnp.arange(s, dtype=jnp.int32)[None]
+    start = jnp.asarray(np.repeat([0, 40, 70], [40, 30, 26])[None], jnp.int32)
+    lo = jnp.zeros_like(slots)
+    ref = _dense_tree_reference(q, k, v, slots, lo, start)
+    for key_block in (96, 16):
+        with jax.default_matmul_precision("highest"):
+            out = cache_attention_reference(q, k, v, slots, skip_lo=lo, skip_hi=start, key_block=key_block)
+        assert np.isfinite(np.asarray(out)).all() and _err(out, ref) <= TOL["float32"]
+
+
 @pytest.mark.slow  # two chains: an experimental option
 def test_tree_chain_rows_equal_their_natural_rows_bitwise_or_two_chains_are_off():
     """A second chain's rows, written 16 rows further on with the first chain's rows hidden,
