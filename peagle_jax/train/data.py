@@ -301,17 +301,16 @@ class PackPlan:
     First fit, not the next row only: with the 0.5B's self-written conversations (244 tokens on
     average, up to 513) rows of 512 closed at the first document that did not fit held 77% real
     tokens; first fit fills them to 97.5%, so a step of the same cost reads a quarter more
-    data (docs/training.md). `pack=False`: one document a row. `max_docs` caps the documents a
-    row holds (`raw_row`'s room for the tokens the shift leaves out, one a document)."""
+    data (docs/training.md). `max_docs` caps the documents a row holds (`raw_row`'s room for the
+    tokens the shift leaves out, one a document); 1 puts one document in each row."""
 
-    def __init__(self, lengths: Sequence[int], seq_len: int, seed: int, pack: bool = True,
-                 max_docs: int | None = None):
+    def __init__(self, lengths: Sequence[int], seq_len: int, seed: int, max_docs: int | None = None):
         self.elems = np.asarray(lengths, np.int64) - 1
         if (self.elems > seq_len).any():
             raise ValueError("a document is longer than seq_len + 1 tokens; chunk it first")
         if max_docs is not None and max_docs < 1:
             raise ValueError(f"max_docs must be >= 1, got {max_docs}")
-        self.seq_len, self.seed, self.pack, self.max_docs = seq_len, seed, pack, max_docs
+        self.seq_len, self.seed, self.max_docs = seq_len, seed, max_docs
         self._epochs: dict[int, list[list[int]]] = {}
         self._starts = [0]
 
@@ -323,16 +322,17 @@ class PackPlan:
                 L = int(self.elems[i])
                 if L <= 0:
                     continue
-                fits = np.flatnonzero(room >= L) if self.pack else ()
+                fits = np.flatnonzero(room >= L)
                 if len(fits):
                     r = int(fits[0])
                     rows[r].append(int(i))
                     room[r] -= L
-                    if self.max_docs is not None and len(rows[r]) >= self.max_docs:
-                        room[r] = -1  # full: it holds as many documents as a raw row has room for
                 else:
+                    r = len(rows)
                     rows.append([int(i)])
                     room = np.append(room, self.seq_len - L)
+                if self.max_docs is not None and len(rows[r]) >= self.max_docs:
+                    room[r] = -1  # full: it holds as many documents as a raw row has room for
             self._epochs[e] = rows
         return self._epochs[e]
 

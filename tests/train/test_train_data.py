@@ -38,7 +38,7 @@ def test_pack_plan_deterministic_and_shift():
     used = [sum(lengths[i] - 1 for i in r) for r in rows0]
     for k, r in enumerate(rows0):
         assert all(used[j] + lengths[r[0]] - 1 > 24 for j in range(k))
-    assert [len(r) for r in PackPlan(lengths, 24, seed=5, pack=False).epoch_rows(0)] == [1] * 30
+    assert [len(r) for r in PackPlan(lengths, 24, seed=5, max_docs=1).epoch_rows(0)] == [1] * 30
     d0 = (np.array([10, 11, 12, 13]), np.array([0, 1, 1, 1]), np.arange(8).reshape(4, 2) * 1.0,
           np.arange(4)[:, None] * 1.0)
     d1 = (np.array([20, 21, 22]), np.array([0, 0, 1]), np.ones((3, 2)), np.full((3, 1), 7.0))
