@@ -29,6 +29,7 @@ from peagle_jax.train.shards import MAX_SHARD_BYTES
 
 STATE = "state"
 METRICS = "metrics.jsonl.gz"
+DRAFT_IDS = "draft_ids.npy"  # the draft vocabulary the weights were trained with, beside them
 
 
 def save_state(folder: str | Path, step: int, trainable: dict[str, np.ndarray], about: dict,
@@ -113,3 +114,18 @@ def read_metrics(folder: str | Path | None) -> str | None:
     if path is None or not path.exists():
         return None
     return gzip.decompress(path.read_bytes()).decode()
+
+
+def draft_ids_file(folder: str | Path) -> Path:
+    """Where a committed state keeps its draft vocabulary (written by `save_state`'s arrays)."""
+    return Path(folder) / STATE / DRAFT_IDS
+
+
+def load_trainable(folder: str | Path, trainable: dict) -> tuple[int, dict]:
+    """(step, `trainable` with the committed weights, each in its own dtype): `load_state` for
+    a head's trainable parameters (a dict of jax arrays)."""
+    import jax
+    import jax.numpy as jnp
+
+    step, weights = load_state(folder, jax.device_get(trainable))
+    return step, {k: jnp.asarray(weights[k], v.dtype) for k, v in trainable.items()}

@@ -36,8 +36,6 @@ import json
 import warnings
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import yaml
@@ -72,18 +70,16 @@ def load_committed(config: str | Path, target=None):
     """(drafter, target, config, step) from the weights a run committed to the repository
     (its config's `state_dir`, `train.committed`): a head from a fresh machine, with no run
     directory and no features."""
-    from peagle_jax.train.committed import STATE, load_state, read_state_info
+    from peagle_jax.train.committed import draft_ids_file, load_trainable, read_state_info
 
     cfg = TrainConfig.model_validate(yaml.safe_load(Path(config).read_text()))
     if read_state_info(cfg.state_dir) is None:
         raise FileNotFoundError(f"{config}: no committed state under its state_dir ({cfg.state_dir})")
     if target is None:
         target, _, _, _ = load_target_and_tokenizer(cfg)
-    draft_ids = np.load(Path(cfg.state_dir) / STATE / "draft_ids.npy")
-    drafter = build_drafter(cfg, target, draft_ids)
+    drafter = build_drafter(cfg, target, np.load(draft_ids_file(cfg.state_dir)))
     graphdef, trainable, frozen = split_params(drafter, cfg.drafter.train_embed, cfg.objective.method)
-    step, weights = load_state(cfg.state_dir, jax.device_get(trainable))
-    trainable = {k: jnp.asarray(weights[k], v.dtype) for k, v in trainable.items()}
+    step, trainable = load_trainable(cfg.state_dir, trainable)
     return export_drafter(graphdef, trainable, frozen), target, cfg, step
 
 

@@ -71,7 +71,7 @@ def main(argv=None) -> None:
 
     head = Path(a.head)
     if a.config is not None:
-        from peagle_jax.train.committed import STATE, read_metrics, read_state_info
+        from peagle_jax.train.committed import draft_ids_file, read_metrics, read_state_info
 
         cfg = TrainConfig.model_validate(yaml.safe_load(Path(a.config).read_text()))
         info = read_state_info(cfg.state_dir)
@@ -81,7 +81,7 @@ def main(argv=None) -> None:
         metrics = read_metrics(cfg.state_dir)
         training = (training_summary(run_dir, metrics) if metrics is not None else
                     {"steps": int(info["step"]), "metrics": "not carried by this committed state"})
-        draft_size = int(np.load(Path(cfg.state_dir) / STATE / "draft_ids.npy").shape[0])
+        draft_size = int(np.load(draft_ids_file(cfg.state_dir)).shape[0])
         held_out, stores = None, {}
     else:
         run_dir = Path(a.run_dir)

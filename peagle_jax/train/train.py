@@ -51,7 +51,14 @@ from peagle_jax.drafters import DrafterConfig, create_drafter
 from peagle_jax.models.layers import training_matmuls_on_cpu_kernel
 from peagle_jax.sharding import maybe_initialize_distributed
 from peagle_jax.train.cod import cod_sample
-from peagle_jax.train.committed import load_state, read_metrics, read_state_info, save_state
+from peagle_jax.train.committed import (
+    DRAFT_IDS,
+    draft_ids_file,
+    load_trainable,
+    read_metrics,
+    read_state_info,
+    save_state,
+)
 from peagle_jax.train.config import TrainConfig, config_from_argv
 from peagle_jax.train.data import PackPlan, pack_row, raw_row
 from peagle_jax.train.features import (
@@ -228,6 +235,13 @@ def online_rows(target_graphdef, target_state, raw: dict, rows: Rows) -> Rows:
     return rows._replace(aux=aux, target_hidden=fh)
 
 
+def records_up_to(metrics: str, step: int) -> str:
+    """The lines of a metrics.jsonl text whose step is at most `step` (a run resumed at `step`
+    repeats the steps after it), blank lines dropped."""
+    return "".join(line + "\n" for line in metrics.splitlines()
+                   if line.strip() and json.loads(line).get("step", 0) <= step)
+
+
 def step_matmuls_on_cpu_kernel(cfg: TrainConfig, devices: int) -> bool:
     """Whether the step's matrix products run on the CPU kernel (`TrainConfig.matmul`): asked
     for, or auto on a single CPU device whose kernel runs AMX tiles (2.4x XLA's float32 dot on
@@ -279,7 +293,7 @@ class Trainer:
         committed = read_state_info(cfg.state_dir) if self.ckpt.latest_step() is None else None
         vocab_file = self.run_dir / "draft_ids.npy"
         if committed is not None and jax.process_index() == 0:  # the vocabulary the weights were trained with
-            shutil.copyfile(Path(cfg.state_dir) / "state" / "draft_ids.npy", vocab_file)
+            shutil.copyfile(draft_ids_file(cfg.state_dir), vocab_file)
         if vocab_file.exists():
             draft_ids = np.load(vocab_file)
         elif cfg.drafter.init_from is not None and cfg.drafter.init_vocab == "head":  # keep the head's vocabulary
@@ -300,14 +314,12 @@ class Trainer:
         self.graphdef, trainable, frozen = split_params(drafter, cfg.drafter.train_embed, cfg.objective.method)
         self.step = 0
         if committed is not None:
-            self.step, weights = load_state(cfg.state_dir, jax.device_get(trainable))
-            trainable = {k: jnp.asarray(weights[k], v.dtype) for k, v in trainable.items()}
+            self.step, trainable = load_trainable(cfg.state_dir, trainable)
             log(f"resumed from the committed state of step {self.step} ({cfg.state_dir}): fresh optimizer moments")
             carried = read_metrics(cfg.state_dir)
             mpath = self.run_dir / "metrics.jsonl"
             if carried is not None and not mpath.exists() and jax.process_index() == 0:  # the run's history so far
-                mpath.write_text("".join(line + "\n" for line in carried.splitlines()
-                                         if line.strip() and json.loads(line).get("step", 0) <= self.step))
+                mpath.write_text(records_up_to(carried, self.step))
         self.tx, self.sched = make_optimizer(cfg, self.step)
         rep = NamedSharding(self.mesh, P())
         self.rep, self.data_sharding = rep, NamedSharding(self.mesh, P("data"))
@@ -338,9 +350,7 @@ class Trainer:
         self.log(f"resumed from step {self.step} ({self.run_dir / 'checkpoints'})")
         mpath = self.run_dir / "metrics.jsonl"
         if mpath.exists() and jax.process_index() == 0:  # drop records past the checkpoint
-            keep = [line for line in mpath.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= self.step]
-            mpath.write_text("".join(line + "\n" for line in keep))
+            mpath.write_text(records_up_to(mpath.read_text(), self.step))
 
     def save(self):
         meta = {"step": self.step, "draft_vocab_size": int(self.draft_ids.shape[0]),
@@ -359,7 +369,7 @@ class Trainer:
                  "draft_vocab_size": int(self.draft_ids.shape[0]), "total_steps": cfg.optim.total_steps}
         weights = {k: np.asarray(v) for k, v in jax.device_get(self.trainable).items()}
         mpath = self.run_dir / "metrics.jsonl"
-        save_state(cfg.state_dir, self.step, weights, about, {"draft_ids.npy": np.asarray(self.draft_ids)},
+        save_state(cfg.state_dir, self.step, weights, about, {DRAFT_IDS: np.asarray(self.draft_ids)},
                    metrics=mpath.read_text() if mpath.exists() else None)
         if cfg.state_commit:
             git_commit(Path(cfg.state_dir), f"train state: {Path(cfg.state_dir).name} step {self.step}")
