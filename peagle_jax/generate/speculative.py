@@ -61,6 +61,16 @@ def prompt_bucket(length: int, minimum: int = 16) -> int:
         power *= 2
 
 
+def budget_bucket(max_new_tokens: int, room: int) -> int:
+    """The output buffer a generation compiles for: `max_new_tokens` rounded up the way prompts
+    are (`prompt_bucket`), and at most `room` (what the context leaves after the prompt bucket).
+
+    The budget itself is a traced argument, so calls whose budgets share a bucket share one
+    program: a client that asks for 100 tokens and then 120 compiles once, as on vLLM.
+    """
+    return max(min(prompt_bucket(max_new_tokens), room), max_new_tokens)
+
+
 def cache_capacity(prompt_bucket_len: int, max_new_tokens: int, num_draft: int) -> int:
     """KV rows a generation needs (prompt bucket + budget + a round's overshoot), rounded up to 64."""
     return -(-(prompt_bucket_len + max_new_tokens + 2 * num_draft + 2) // 64) * 64
@@ -148,11 +158,12 @@ def speculative_generate(
     if num_draft_tokens is None:
         num_draft_tokens = default_num_draft_tokens()
     k = num_draft_tokens if method != "none" else 0
-    config = SpecConfig(method, k, temperature == 0.0, cache_capacity(t, max_new_tokens, k), max_new_tokens)
-    config.check_drafter(drafter)
     max_ctx = target.config.max_position_embeddings
     if t + max_new_tokens > max_ctx:
         raise ValueError(f"prompt bucket {t} + max_new_tokens {max_new_tokens} exceeds the model's context {max_ctx}")
+    budget = budget_bucket(max_new_tokens, max_ctx - t)
+    config = SpecConfig(method, k, temperature == 0.0, cache_capacity(t, budget, k), budget)
+    config.check_drafter(drafter)
     tokens = np.zeros((b, t), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p

@@ -191,6 +191,19 @@ def test_no_recompile_for_new_prompts_of_same_bucket(target, drafter):
     assert _generate_jit._cache_size() == before
 
 
+def test_budgets_of_one_bucket_share_a_program_and_stop_at_their_own_length(target, reference):
+    # 17..24 new tokens share the budget bucket 24: one program, and each call stops at its own
+    # budget with plain greedy decoding's tokens
+    kw = dict(method="none", eos_token_ids=[EOS])
+    speculative_generate(target, None, PROMPTS, max_new_tokens=24, **kw)
+    before = _generate_jit._cache_size()
+    for n in (17, 20, 23):
+        out = speculative_generate(target, None, PROMPTS, max_new_tokens=n, **kw)
+        assert out.tokens == [r[:n] for r in reference.tokens]
+        assert all(len(t) == n or reason == "stop" for t, reason in zip(out.tokens, out.finish_reasons, strict=True))
+    assert _generate_jit._cache_size() == before
+
+
 def test_prompt_buckets_step_by_half_powers_of_two():
     from peagle_jax.generate import prompt_bucket
 
