@@ -93,10 +93,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="eagle3 / peagle: verify only the leading drafts whose product of head probabilities is "
                          ">= this (0: all K; default: the library's, generate.default_draft_cutoff). Several "
                          "values give rows X/cVALUE, one each")
-    ap.add_argument("--draft-weights", nargs="+", default=["auto"], choices=("auto", "native", "q7", "q4"),
+    ap.add_argument("--draft-weights", nargs="+", default=["auto"], choices=("auto", "native", "q7", "q4", "g4"),
                     help="eagle3 / peagle: the heads' matmul weights (q7: 7-bit through the CPU kernel; q4: 4-bit "
-                         "Linears, 7-bit lm_head; auto: the library's choice, q4 where faster). Several values give "
-                         "rows X/wVALUE, one each")
+                         "Linears, 7-bit lm_head; g4: 4-bit groups, 8-bit-group lm_head; auto: the library's "
+                         "choice). Several values give rows X/wVALUE, one each")
     ap.add_argument("--head-draft-tokens", type=int, default=None,
                     help="X+ngram: drafts the head proposes where the lookup has no match (default: K)")
     ap.add_argument("--ks", nargs="+", type=int, default=[3, 5, 7], help="draft lengths K")
@@ -189,7 +189,8 @@ def _drafters(args, llm) -> tuple[dict[str, Any], dict[str, str], dict[str, str]
                     raise SystemExit(f"--peagle-head {path} has no parallel drafting (mask_token_id/mask_hidden)")
                 row = method if len(args.draft_weights) == 1 else f"{method}{WEIGHTS}{weights}"
                 drafters[row] = d
-                bits = {"q7": ", 7-bit weights", "q4": ", 4-bit Linears and a 7-bit lm_head"}
+                bits = {"q7": ", 7-bit weights", "q4": ", 4-bit Linears and a 7-bit lm_head",
+                        "g4": ", 4-bit-group Linears and an 8-bit-group lm_head"}
                 labels[row] = f"trained head {path}" + bits.get(llm.options["draft_weights"], "")
         elif args.random_heads:
             drafters[method] = common.random_drafter(target, parallel=method == "peagle", seed=args.seed + 1)

@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="rounds run back to back in each timed program (times are per round)")
     ap.add_argument("--at-al", type=float, nargs="*", default=[2.0, 3.0], help="report speed-ups at these ALs")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--draft-weights", default="auto", choices=("auto", "native", "q7", "q4", "g4"),
+                    help="the heads' matmul weights on the CPU kernel (load's draft_weights)")
     ap.add_argument("--temperature", type=float, default=0.0, help="> 0: time sampled rounds (rejection sampling)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--context-source", default="text", choices=("text", "random"),
@@ -82,13 +84,13 @@ def _models(args):
     drafters = {}
     for method, path in (("peagle", args.peagle_head), ("eagle3", args.eagle3_head)):
         if path:
-            drafters[method] = llm.load_head(path)
+            drafters[method] = llm.load_head(path, draft_weights=args.draft_weights)
         elif args.random_heads:
             drafters[method] = common.random_drafter(target, parallel=method == "peagle", seed=1)
     if not drafters:
         raise SystemExit("give --peagle-head / --eagle3-head, or --random-heads")
     # The tiny target has no real tokenizer; its context is random ids.
-    return target, drafters, (None if args.target == "tiny" else llm.tokenizer)
+    return target, drafters, (None if args.target == "tiny" else llm.tokenizer), llm.options.get("draft_weights")
 
 
 @functools.cache
@@ -214,7 +216,7 @@ def run(args) -> dict[str, Any]:
     """Greedy rounds against the greedy decode step; with --temperature also sampled rounds,
     against the same greedy step (the cost of sampling itself shows in the ratio). All the
     programs of one batch size are timed interleaved (`interleaved_medians`)."""
-    target, drafters, tokenizer = _models(args)
+    target, drafters, tokenizer, draft_weights = _models(args)
     sampled = f"T={args.temperature} top-p={args.top_p}"
     rows = []
     for b in args.batch_sizes:
@@ -246,6 +248,7 @@ def run(args) -> dict[str, Any]:
             "context_source": args.context_source if tokenizer is not None else "random", "repeats": args.repeats,
             "rounds_per_call": args.rounds_per_call,
             "at_al": args.at_al, "heads": {m: (getattr(args, f"{m}_head") or "RANDOM WEIGHTS") for m in drafters},
+            "draft_weights": draft_weights,
             "machine": common.machine_info(), "results": rows, "timing": "interleaved round-robin"}
 
 
@@ -258,7 +261,8 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
               common.fmt(r["cost_vs_decode"]), *[common.fmt(r.get("speedup_at_al", {}).get(str(a))) for a in al]]
              for r in summary["results"]]
     md = [f"# Round cost vs decode step ({summary['target']}, {summary.get('dtype', 'float32')}, "
-          f"context {summary['context']}, {summary.get('context_source', 'random')})", "",
+          f"context {summary['context']}, {summary.get('context_source', 'random')}, "
+          f"head weights {summary.get('draft_weights') or 'native'})", "",
           "cost = ms per round / ms per greedy plain decode step; for greedy rounds it is the acceptance "
           "length at which speculation breaks even.", "",
           common.md_table(["B", "sampling", "method", "K", "ms/round", "ms drafting", "cost (break-even AL)",

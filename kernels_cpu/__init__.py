@@ -286,6 +286,30 @@ def _tile_floats(v: Float[np.ndarray, "G O"], tiles: int) -> UInt8[np.ndarray, "
     return np.ascontiguousarray(np.asarray(v, "<f4").reshape(g, tiles, TILE).transpose(1, 0, 2)).view(np.uint8)
 
 
+def quantize_group(w: Float[np.ndarray, "I O"], fmt: str) -> UInt8[np.ndarray, "T G _"]:
+    """Float weights [I, O] in a group format, packed (`pack_g4` / `pack_g8`): a draft head's
+    weights, quantized at load time for CPUs whose integer group loop (gemv_group.cc) streams
+    them faster than bf16 (docs/cpu-kernels.md). "g4": per group of 32 inputs and column, 16
+    levels over the group's range (w = scale * q - min, as a GGUF Q4_1 block); "g8": per group
+    of 16, w = scale * q with q in [-127, 127] (as Q8_0). Numpy."""
+    size = {"g4": G4_GROUP, "g8": G8_GROUP}.get(fmt)
+    if size is None:
+        raise ValueError(f"kernels_cpu.quantize_group: format must be 'g4' or 'g8', got {fmt!r}")
+    i, o = w.shape
+    if i % size or o % TILE:
+        raise ValueError(f"kernels_cpu.quantize_group: {fmt} needs the input width a multiple of {size} and the "
+                         f"output width of {TILE}; got [{i}, {o}]")
+    g = np.asarray(w, np.float32).reshape(i // size, size, o)
+    if fmt == "g4":
+        low, high = g.min(axis=1), g.max(axis=1)
+        scale = (high - low) / 15.0
+        q = np.rint((g - low[:, None]) / np.where(scale > 0, scale, 1.0)[:, None])
+        return pack_g4(np.clip(q, 0, 15).astype(np.uint8).reshape(i, o), scale, -low)
+    scale = np.abs(g).max(axis=1) / 127.0
+    q = np.rint(g / np.where(scale > 0, scale, 1.0)[:, None])
+    return pack_g8(np.clip(q, -127, 127).astype(np.int8).reshape(i, o), scale)
+
+
 def unpack_group(packed: UInt8[Array, "T G R"]) -> Float[Array, "I O"]:
     """The float32 weights [I, O] that `pack_g4` or `pack_g8` packed (jnp, so it also runs in a
     graph)."""

@@ -216,7 +216,7 @@ def _check_head(opts: Options, head_spec: str | None) -> None:
     if opts.method in ("eagle3", "peagle", *HYBRID_METHODS):
         raise ValueError(f"method {opts.method!r} needs a draft head (drafter=DIR)"
                          + ("" if is_default_model(opts.model) else f"; no head ships for {opts.model!r}"))
-    if opts.draft_weights in ("q7", "q4"):
+    if opts.draft_weights in ("q7", "q4", "g4"):
         raise ValueError(f"draft_weights={opts.draft_weights!r} quantizes a draft head, and method "
                          f"{opts.method!r} loads none")
     for name, on in (("second_root", opts.experimental.second_root), ("draft_cutoff", bool(opts.draft_cutoff))):

@@ -64,9 +64,10 @@ class Options(BaseModel):
     draft_cutoff: float | None = Field(None, ge=0.0, lt=1.0, description="eagle3 / peagle: verify only the "
                                        "leading drafts whose product of head probabilities is >= this (0: all; "
                                        "default 0.1 on CPU, 0 elsewhere)")
-    draft_weights: Literal["auto", "native", "q7", "q4"] = Field(
+    draft_weights: Literal["auto", "native", "q7", "q4", "g4"] = Field(
         "auto", description="the head's matmul weights on the CPU kernel: q7 7-bit, q4 4-bit Linears and a "
-        "7-bit lm_head (drafts are verified: output unchanged); auto: q4 where faster (AVX512-BF16)")
+        "7-bit lm_head, g4 4-bit groups and an 8-bit-group lm_head (drafts are verified: output unchanged); "
+        "auto: q4 with AVX512-BF16, else g4")
     target_weights: Literal["auto", "file", "bf16"] = Field(
         "auto", description="the target's matmul weights on the CPU kernel: file: a GGUF file's own 4- and 8-bit "
         "blocks (Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0; other types in bf16), its numbers exactly; bf16: "
@@ -155,7 +156,7 @@ class Options(BaseModel):
         if self.draft_cutoff and x.second_root:
             raise ValueError("draft_cutoff and second_root do not combine: the second chain is verified at the "
                              "full width K, so a cutoff would only drop accepted drafts; set one of them")
-        if self.draft_weights in ("q7", "q4"):
+        if self.draft_weights in ("q7", "q4", "g4"):
             if m in ("none", "ngram") or self.drafter is None:
                 raise ValueError(f"draft_weights {self.draft_weights!r} quantizes a draft head; method {m!r} "
                                  f"with drafter {self.drafter!r} loads none")

@@ -26,12 +26,13 @@ from kernels_cpu import (
     pack_g8,
     pack_q4,
     pack_q7,
+    quantize_group,
     unpack_group,
     unpack_q4,
     unpack_q7,
 )
 
-__all__ = ["TILE", "is_group_packed", "matmul", "pack", "pack_g4", "pack_g8", "pack_q4", "pack_q7",
+__all__ = ["TILE", "is_group_packed", "matmul", "pack", "pack_g4", "pack_g8", "pack_q4", "pack_q7", "quantize_group",
            "trainable_fits", "trainable_matmul", "unpack_group", "unpack_q4", "unpack_q7"]
 
 

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from peagle_jax import kernels
@@ -108,8 +109,8 @@ def cpu_kernel_blocker(module: nnx.Module) -> str | None:
     return kernels.cpu.unavailable_reason()
 
 
-PACKED_WEIGHTS = ("bf16", "q7", "q4")
-QUANTIZED_DRAFT_WEIGHTS = ("q7", "q4")  # the draft_weights choices that quantize a head (CPU kernel only)
+PACKED_WEIGHTS = ("bf16", "q7", "q4", "g4")
+QUANTIZED_DRAFT_WEIGHTS = ("q7", "q4", "g4")  # the draft_weights choices that quantize a head (CPU kernel only)
 
 
 def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16",
@@ -121,11 +122,13 @@ def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16",
     it cannot run (`cpu_kernel_blocker`).
 
     weights: "bf16" (`kernels.pack`: the model's own numbers), "q7" (`kernels.pack_q7`:
-    7-bit per-column weights in one byte each, half the bytes to stream) or "q4" (the Linears in
+    7-bit per-column weights in one byte each, half the bytes to stream), "q4" (the Linears in
     4 bits, `kernels.pack_q4`, a quarter of the bytes; the lm_head stays in 7 bits: its
-    logits pick the drafts, and 4 bits there cost acceptance, docs/cpu-kernels.md).
-    "q7" and "q4" change the results, so only a draft head takes them: its drafts are verified by
-    the target, never emitted unchecked (`q7_blocker` says where they are slower).
+    logits pick the drafts, and 4 bits there cost acceptance, docs/cpu-kernels.md) or "g4" (the
+    Linears in 4-bit groups of 32 and the lm_head in 8-bit groups of 16,
+    `kernels.quantize_group`: the integer group loop, which CPUs without AVX512-BF16 run
+    faster than bf16 at a draft pass's rows). The quantized choices change the results, so only
+    a draft head takes them: its drafts are verified by the target, never emitted unchecked.
 
     file_weights: a quantized GGUF target's Linears in the file's own blocks, by module path
     (`checkpoints.gguf_loader.load_gguf_group_weights`): those are packed from them
@@ -139,8 +142,11 @@ def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16",
     reason = cpu_kernel_blocker(module)
     if reason is not None:
         raise ValueError(f"the CPU matmul kernel cannot serve this model: {reason}")
-    pack = {"bf16": kernels.pack, "q7": kernels.pack_q7, "q4": kernels.pack_q4}[weights]
-    pack_head = kernels.pack_q7 if weights == "q4" else pack
+    def group(fmt: str):
+        return lambda w: jnp.asarray(kernels.quantize_group(np.asarray(w, np.float32), fmt))
+
+    pack = {"bf16": kernels.pack, "q7": kernels.pack_q7, "q4": kernels.pack_q4, "g4": group("g4")}[weights]
+    pack_head = {"q4": kernels.pack_q7, "g4": group("g8")}.get(weights, pack)
 
     file_weights = file_weights or {}
     paths = {id(node): ".".join(map(str, path)) for path, node in nnx.iter_graph(module)}
@@ -148,18 +154,21 @@ def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16",
     def packable(*linears: Linear) -> bool:
         return all(lin.out_features % kernels.TILE == 0 for lin in linears)
 
-    def file_format(lin: Linear) -> str:  # "g4" / "g8" where the file's blocks serve it, else `weights`
+    def file_tensor(lin: Linear) -> GroupTensor | None:  # the file's blocks of this Linear, if they serve it
         gw = file_weights.get(paths[id(lin)])
-        if gw is None or gw.shape != (lin.in_features, lin.out_features):
+        return gw if gw is not None and gw.shape == (lin.in_features, lin.out_features) else None
+
+    def file_format(lin: Linear) -> str:  # "g4" / "g8" where the file's blocks serve it, else `weights`
+        gw = file_tensor(lin)
+        if gw is None:
             if lin.kernel is None:
                 raise ValueError(f"{paths[id(lin)]} has no weights: neither bf16 nor a GGUF file's blocks")
             return weights
         return gw.format
 
     def packed_one(lin: Linear):
-        if file_format(lin) in GROUP_FORMATS:
-            return pack_group(file_weights[paths[id(lin)]])
-        return pack(lin.kernel[...])
+        gw = file_tensor(lin)
+        return pack(lin.kernel[...]) if gw is None else pack_group(gw)
 
     def packed(*linears: Linear) -> PackedKernel:  # side by side along the output tiles
         return PackedKernel(jnp.concatenate([packed_one(lin) for lin in linears], axis=0))
@@ -185,7 +194,7 @@ def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16",
         elif (head := module.lm_head_weight()).shape[1] % kernels.TILE == 0:
             module.lm_head_packed = PackedKernel(pack_head(head))
     for lin in linears:  # the file's blocks serve every call (prefill too): the only copy kept
-        if file_format(lin) in GROUP_FORMATS:
+        if file_tensor(lin) is not None:
             lin.kernel = None
     return module
 
@@ -213,15 +222,15 @@ def q7_blocker() -> str | None:
     return None
 
 
-DRAFT_WEIGHTS = ("auto", "native", "q7", "q4")
+DRAFT_WEIGHTS = ("auto", "native", "q7", "q4", "g4")
 
 
 def choose_matmul(module: nnx.Module, matmul: str, weights: str = "bf16",
                   file_weights: Mapping[str, GroupTensor] | None = None) -> str:
     """Apply a `load(matmul=...)` choice: "auto" packs for the CPU kernel where it can run (and
     says why not in the log where it cannot), "cpu_kernel" requires it, "xla" never uses it.
-    `weights` and `file_weights` are `pack_cpu_matmuls`'s ("q7" and "q4" for draft heads only). Returns the path taken:
-    "cpu_kernel" or "xla"."""
+    `weights` and `file_weights` are `pack_cpu_matmuls`'s (the quantized ones for draft heads
+    only). Returns the path taken: "cpu_kernel" or "xla"."""
     import logging
 
     if matmul not in MATMULS:
@@ -240,11 +249,12 @@ def choose_matmul(module: nnx.Module, matmul: str, weights: str = "bf16",
 
 def draft_weights_for(requested: str, matmul_path: str) -> str:
     """A `load(draft_weights=...)` choice resolved for a head whose matmuls take `matmul_path`:
-    "q7" / "q4" (7- or 4-bit weights, `pack_cpu_matmuls`) or "native" (the head's weights in the
-    load dtype). "auto" takes "q4" where the CPU kernel serves the head and quantized weights are
-    faster here (`q7_blocker`): on the shipped P-EAGLE head its acceptance equals q7's and its
-    rounds are 0.1-0.3 ms shorter (docs/cpu-kernels.md). An explicit "q7" or "q4"
-    needs only the kernel. Raises ValueError naming the reason."""
+    "q7" / "q4" / "g4" (quantized weights, `pack_cpu_matmuls`) or "native" (the head's weights
+    in the load dtype). "auto" takes, where the CPU kernel serves the head, "q4" where its loop
+    has bf16 dot products (`q7_blocker`: on the shipped P-EAGLE head its acceptance equals q7's
+    and its rounds are 0.1-0.3 ms shorter) and "g4" elsewhere (the integer group loop: half the
+    time of bf16 for a 0.5B head's matmuls at 1-4 rows on an AVX2 EPYC, docs/cpu-kernels.md).
+    An explicit quantized choice needs only the kernel. Raises ValueError naming the reason."""
     if requested not in DRAFT_WEIGHTS:
         raise ValueError(f"draft_weights must be one of {DRAFT_WEIGHTS}, got {requested!r}")
     if requested == "native":
@@ -257,4 +267,4 @@ def draft_weights_for(requested: str, matmul_path: str) -> str:
         return "native"
     if requested in QUANTIZED_DRAFT_WEIGHTS:
         return requested
-    return "q4" if q7_blocker() is None else "native"
+    return "q4" if q7_blocker() is None else "g4"

@@ -287,31 +287,32 @@ def test_load_gives_the_head_its_second_root_or_refuses_it():
 
 
 def _assert_head_weights(llm, requested):
-    """The head's packed weights are what `options["draft_weights"]` says: bytes for "q7" and
-    "q4" (4-bit Linears, 32 bytes a pair row, beside a 7-bit lm_head), bf16 for "native"."""
+    """The head's packed weights are what `options["draft_weights"]` says: bytes for "q7", "q4"
+    (4-bit Linears, 32 bytes a pair row, beside a 7-bit lm_head) and "g4" (4-bit group records
+    beside an 8-bit-group lm_head), bf16 for "native"."""
     from flax import nnx
 
     from peagle_jax.models.layers import PackedKernel
     from peagle_jax.models.options import q7_blocker
 
-    want = {"auto": "q4" if q7_blocker() is None else "native"}.get(requested, requested)
+    want = {"auto": "q4" if q7_blocker() is None else "g4"}.get(requested, requested)
     assert llm.options["draft_weights"] == want
     packs = [v[...] for _, v in nnx.iter_graph(llm.drafter) if isinstance(v, PackedKernel)]
     assert {p.dtype.name for p in packs} == ({"bfloat16"} if want == "native" else {"uint8"})
     if want != "native":
-        assert {p.shape[-1] for p in packs} == ({64} if want == "q7" else {32, 64})
+        assert {p.shape[-1] for p in packs} == {"q7": {64}, "q4": {32, 64}, "g4": {768, 640}}[want]
 
 
 @pytest.mark.slow  # loads the default model
 def test_load_gives_the_head_the_weights_asked_for():
-    """draft_weights: "auto" takes 4-bit Linears where quantized weights are faster, "native"
-    keeps bf16, "q7" and "q4" force theirs; the target's packed weights stay bf16 either way."""
+    """draft_weights: "auto" takes 4-bit Linears (q4 with bf16 dot products, else g4), "native"
+    keeps bf16, "q7", "q4" and "g4" force theirs; the target's packed weights stay bf16 either way."""
     from flax import nnx
 
     from peagle_jax.api import load
     from peagle_jax.models.layers import PackedKernel
 
-    for requested in ("native", "q7", "q4"):
+    for requested in ("native", "q7", "q4", "g4"):
         llm = load(None, draft_weights=requested)
         _assert_head_weights(llm, requested)
         assert {v[...].dtype.name for _, v in nnx.iter_graph(llm.target) if isinstance(v, PackedKernel)} == {"bfloat16"}

@@ -338,12 +338,12 @@ def test_q4_packing_keeps_four_bits_of_the_least_error_clip():
 
 
 @needs_kernel
-@pytest.mark.slow
-@pytest.mark.parametrize("bits", ["q7", "q4"])
+@pytest.mark.parametrize("bits", slow_except(["q7", "q4", "g4"], fast={"g4"}, one_argument=True))
 def test_quantized_head_keeps_greedy_tokens_and_drafts_like_bf16(bits):
-    """A head with 7-bit weights (or 4-bit Linears beside a 7-bit lm_head): every packed weight
-    is bytes, greedy speculative tokens are still plain decoding's (drafts are verified), and
-    its draft logits stay within the quantization's reach of the bf16 head's."""
+    """A head with 7-bit weights (or 4-bit Linears beside a 7-bit lm_head, or 4-bit groups beside
+    an 8-bit-group lm_head): every packed weight is bytes, greedy speculative tokens are still
+    plain decoding's (drafts are verified), and its draft logits stay within the quantization's
+    reach of the bf16 head's."""
     from peagle_jax.models.options import draft_weights_for
 
     target, drafter = _pair()
@@ -352,8 +352,10 @@ def test_quantized_head_keeps_greedy_tokens_and_drafts_like_bf16(bits):
     pack_cpu_matmuls(drafter)
     packs = [v[...] for _, v in nnx.iter_graph(quant) if isinstance(v, PackedKernel)]
     assert packs and all(p.dtype == jnp.uint8 for p in packs)
-    assert quant.lm_head_packed[...].shape[-1] == 64  # the lm_head in 7 bits either way
-    assert {p.shape[-1] for p in packs} == ({64} if bits == "q7" else {32, 64})
+    lm_head_width = kernels_cpu.G8_RECORD if bits == "g4" else 64  # 8-bit groups, else 7 bits
+    assert quant.lm_head_packed[...].shape[-1] == lm_head_width
+    linears = {"q7": 64, "q4": 32, "g4": kernels_cpu.G4_RECORD}[bits]
+    assert {p.shape[-1] for p in packs} == {linears, lm_head_width}
     prenorm = _bf16(np.random.default_rng(4), (2, drafter.config.hidden_size))
     want, got = drafter.logits_from_prenorm(prenorm), quant.logits_from_prenorm(prenorm)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=0.05 * float(jnp.abs(want).max()))

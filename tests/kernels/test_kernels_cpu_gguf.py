@@ -88,6 +88,24 @@ def test_packers_reject_shapes_they_cannot_tile():
         kernels_cpu.pack_g8(np.zeros((24, 32), np.int8), np.zeros((1, 32), np.float32))
 
 
+@pytest.mark.parametrize(("fmt", "group", "levels"), [("g4", 32, 15), ("g8", 16, 254)])
+def test_a_float_weight_quantized_into_groups_rounds_each_to_its_nearest_level(fmt, group, levels):
+    # A draft head's bf16 weights go to the group kernel as g4 Linears / a g8 lm_head (draft_weights="g4").
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((96, 64)).astype(np.float32) * np.logspace(-3, 0, 64, dtype=np.float32)
+    w[:group, 5] = 0.25  # a constant group: its one level is exact
+    back = np.asarray(kernels_cpu.unpack_group(jnp.asarray(kernels_cpu.quantize_group(w, fmt))))
+    g = w.reshape(-1, group, 64)
+    step = (g.max(axis=1) - g.min(axis=1) if fmt == "g4" else 2 * np.abs(g).max(axis=1)) / levels
+    error = np.abs(back - w).reshape(g.shape)
+    assert np.all(error <= step[:, None] * 0.5 * (1 + 1e-4) + 1e-7), (error / step[:, None]).max()
+    assert back[0, 5] == np.float32(0.25)
+    with pytest.raises(ValueError, match=f"input width a multiple of {group}"):
+        kernels_cpu.quantize_group(np.zeros((group + 8, 32), np.float32), fmt)
+    with pytest.raises(ValueError, match="'g4' or 'g8'"):
+        kernels_cpu.quantize_group(w, "q4")
+
+
 # Layer 0 in 4-bit blocks but its down projection in Q6_K, layer 1 mixed (q / k 4-bit with v
 # 8-bit: no fused q/k/v call), the embedding or lm_head in Q8_0; norms stay F32.
 _TYPES = {r"blk\.0\.(attn_[qkv]|attn_output|ffn_gate|ffn_up)\.weight": T.Q4_0,

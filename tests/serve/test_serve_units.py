@@ -98,6 +98,7 @@ def test_config_yaml_and_flags(tmp_path):
         ServeConfig(draft_cutoff=1.0)
     assert config_from_args(build_parser().parse_args(["--draft-weights", "q7"])).draft_weights == "q7"
     assert config_from_args(build_parser().parse_args(["--draft-weights", "q4"])).draft_weights == "q4"
+    assert config_from_args(build_parser().parse_args(["--draft-weights", "g4"])).draft_weights == "g4"
     assert ServeConfig().draft_weights == "auto"
     with pytest.raises(ValidationError, match="quantizes a draft head"):
         config_from_args(build_parser().parse_args(["--draft-weights", "q7", "--method", "ngram"]))
