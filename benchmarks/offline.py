@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import common
+from peagle_jax.options import QUANTIZED_DRAFT_WEIGHTS
 
 RANDOM_BANNER = ("RANDOM HEADS: the draft heads have random weights (--random-heads); acceptance is ~0 and "
                  "speculative speed-ups are NOT representative of trained P-EAGLE / EAGLE-3 heads.")
@@ -93,7 +94,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="eagle3 / peagle: verify only the leading drafts whose product of head probabilities is "
                          ">= this (0: all K; default: the library's, generate.default_draft_cutoff). Several "
                          "values give rows X/cVALUE, one each")
-    ap.add_argument("--draft-weights", nargs="+", default=["auto"], choices=("auto", "native", "q7", "q4", "g4"),
+    ap.add_argument("--draft-weights", nargs="+", default=["auto"],
+                    choices=("auto", "native", *QUANTIZED_DRAFT_WEIGHTS),
                     help="eagle3 / peagle: the heads' matmul weights (q7: 7-bit through the CPU kernel; q4: 4-bit "
                          "Linears, 7-bit lm_head; g4: 4-bit groups, 8-bit-group lm_head; auto: the library's "
                          "choice). Several values give rows X/wVALUE, one each")

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import common
+from peagle_jax.options import QUANTIZED_DRAFT_WEIGHTS
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -55,7 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="rounds run back to back in each timed program (times are per round)")
     ap.add_argument("--at-al", type=float, nargs="*", default=[2.0, 3.0], help="report speed-ups at these ALs")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    ap.add_argument("--draft-weights", default="auto", choices=("auto", "native", "q7", "q4", "g4"),
+    ap.add_argument("--draft-weights", default="auto", choices=("auto", "native", *QUANTIZED_DRAFT_WEIGHTS),
                     help="the heads' matmul weights on the CPU kernel (load's draft_weights)")
     ap.add_argument("--temperature", type=float, default=0.0, help="> 0: time sampled rounds (rejection sampling)")
     ap.add_argument("--top-p", type=float, default=1.0)

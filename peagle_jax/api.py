@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from peagle_jax.options import HEAD_METHODS, HYBRID_METHODS, LOAD_METHODS, Options
+from peagle_jax.options import HEAD_METHODS, HYBRID_METHODS, LOAD_METHODS, QUANTIZED_DRAFT_WEIGHTS, Options
 
 __all__ = ["HYBRID_METHODS", "LOAD_METHODS", "SECOND_ROOT_METHODS", "LoadedModel", "Options", "chat_ids", "load",
            "method_for", "resolve_drafter"]
@@ -113,7 +113,6 @@ class LoadedModel:
         keeps what `load` was asked for (not what an earlier head resolved it to)."""
         from peagle_jax.checkpoints.drafter_io import load_drafter
         from peagle_jax.models.options import (
-            QUANTIZED_DRAFT_WEIGHTS,
             choose_matmul,
             configure_inference,
             draft_weights_for,
@@ -216,7 +215,7 @@ def _check_head(opts: Options, head_spec: str | None) -> None:
     if opts.method in ("eagle3", "peagle", *HYBRID_METHODS):
         raise ValueError(f"method {opts.method!r} needs a draft head (drafter=DIR)"
                          + ("" if is_default_model(opts.model) else f"; no head ships for {opts.model!r}"))
-    if opts.draft_weights in ("q7", "q4", "g4"):
+    if opts.draft_weights in QUANTIZED_DRAFT_WEIGHTS:
         raise ValueError(f"draft_weights={opts.draft_weights!r} quantizes a draft head, and method "
                          f"{opts.method!r} loads none")
     for name, on in (("second_root", opts.experimental.second_root), ("draft_cutoff", bool(opts.draft_cutoff))):

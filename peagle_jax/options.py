@@ -26,6 +26,8 @@ LOAD_METHODS = ("auto", "none", "eagle3", "peagle", "ngram", "eagle3+ngram", "pe
 HYBRID_METHODS = ("eagle3+ngram", "peagle+ngram")
 #: Methods that draft with a head alone (the draft cutoff and the second root apply to them).
 HEAD_METHODS = ("eagle3", "peagle")
+# The draft_weights choices that quantize a head (CPU kernel only; models.options packs them).
+QUANTIZED_DRAFT_WEIGHTS = ("q7", "q4", "g4")
 
 Method = Literal["auto", "none", "eagle3", "peagle", "ngram", "eagle3+ngram", "peagle+ngram"]
 
@@ -156,7 +158,7 @@ class Options(BaseModel):
         if self.draft_cutoff and x.second_root:
             raise ValueError("draft_cutoff and second_root do not combine: the second chain is verified at the "
                              "full width K, so a cutoff would only drop accepted drafts; set one of them")
-        if self.draft_weights in ("q7", "q4", "g4"):
+        if self.draft_weights in QUANTIZED_DRAFT_WEIGHTS:
             if m in ("none", "ngram") or self.drafter is None:
                 raise ValueError(f"draft_weights {self.draft_weights!r} quantizes a draft head; method {m!r} "
                                  f"with drafter {self.drafter!r} loads none")

@@ -22,6 +22,7 @@ from peagle_jax import kernels
 from peagle_jax.checkpoints.gguf_blocks import GroupTensor
 from peagle_jax.models.layer_stack import LAYER_LOOPS, stack_layers, unstack_layers
 from peagle_jax.models.layers import MLP, Attention, Linear, MoE, PackedKernel
+from peagle_jax.options import QUANTIZED_DRAFT_WEIGHTS
 
 KV_CACHE_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
 
@@ -110,7 +111,7 @@ def cpu_kernel_blocker(module: nnx.Module) -> str | None:
 
 
 PACKED_WEIGHTS = ("bf16", "q7", "q4", "g4")
-QUANTIZED_DRAFT_WEIGHTS = ("q7", "q4", "g4")  # the draft_weights choices that quantize a head (CPU kernel only)
+
 
 
 def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16",
@@ -222,7 +223,7 @@ def q7_blocker() -> str | None:
     return None
 
 
-DRAFT_WEIGHTS = ("auto", "native", "q7", "q4", "g4")
+DRAFT_WEIGHTS = ("auto", "native", *QUANTIZED_DRAFT_WEIGHTS)
 
 
 def choose_matmul(module: nnx.Module, matmul: str, weights: str = "bf16",
