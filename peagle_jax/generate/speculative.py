@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from peagle_jax import kernels
 from peagle_jax.generate.steps import SpecConfig, prefill, spec_round, step_jit
 from peagle_jax.sampling import SamplingParams
 
@@ -108,14 +109,18 @@ def default_draft_cutoff() -> float:
 def default_num_draft_tokens() -> int:
     """K when the caller gives none: the fastest measured with the shipped heads.
 
-    On CPU each verify row costs about a tenth of a decode step and the heads' third draft is
-    accepted in a few percent of rounds: offline HumanEval (164 prompts, batch 1) ran P-EAGLE at
-    1.14x plain decoding with K=2 and 1.09x with K=3, and a K=7 round costs 1.6 decode steps
-    for K=3's acceptance. With the default draft cutoff (0.1) K=2 still won: 1.17x against
-    1.15x at K=3 (docs/usage.md, the K left out). On an accelerator, where a few more rows cost almost
-    nothing, K=3: the heads accept next to nothing past their third draft.
+    What K pays is what a verify row costs. With AVX512-BF16 or AMX each row costs about a tenth
+    of a decode step and the heads' third draft is accepted in a few percent of rounds: offline
+    HumanEval (164 prompts, batch 1) ran P-EAGLE at 1.14x plain decoding with K=2 and 1.09x with
+    K=3, and with the default draft cutoff (0.1) 1.17x against 1.15x (docs/usage.md, the K left
+    out). On CPUs whose kernels run the AVX2 loops, a row past the second costs about 85% of a
+    whole decode step's matmuls (docs/cpu-kernels.md), and K=1 beat K=2 on HumanEval and
+    MT-Bench (results/offline_qwen05_g4), so K=1 there. On an accelerator, where a few more rows
+    cost almost nothing, K=3: the heads accept next to nothing past their third draft.
     """
-    return 2 if jax.default_backend() == "cpu" else 3
+    if jax.default_backend() != "cpu":
+        return 3
+    return 1 if kernels.cpu.instruction_set() == "avx2" else 2
 
 
 def speculative_generate(
