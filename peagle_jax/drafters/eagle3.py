@@ -109,7 +109,8 @@ class Eagle3Drafter(nnx.Module):
 
     def project(self, aux: Float[Array, "... A"]) -> Float[Array, "... H"]:
         """Target taps (concatenated) -> drafter feature space."""
-        return self.fc(aux.astype(self.fc.kernel.dtype))
+        kernel = self.fc.kernel  # None where group-packed weights are the only copy (models.options)
+        return self.fc(aux.astype(self.config.dtype if kernel is None else kernel.dtype))
 
     @property
     def feature_spec(self) -> jax.ShapeDtypeStruct:
@@ -148,7 +149,8 @@ class Eagle3Drafter(nnx.Module):
         return self.lm_head[...]
 
     def logits_from_prenorm(self, prenorm: Float[Array, "... H"]) -> Float[Array, "... Vd"]:
-        return packed_matmul(self.norm(prenorm), self.lm_head_packed, self.lm_head[...], out_dtype=jnp.float32)
+        weight = None if self.lm_head is None else self.lm_head[...]  # None: only the packed copy (g4)
+        return packed_matmul(self.norm(prenorm), self.lm_head_packed, weight, out_dtype=jnp.float32)
 
     def __call__(
         self,

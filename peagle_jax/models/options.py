@@ -137,7 +137,8 @@ def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16",
     bytes) and the rest as `weights` says. Linears sharing a fused call are packed together
     only where all of them take the same format. The kernel serves those at every row count,
     prefill included, so their bf16 weights are dropped: the blocks are the only copy in memory
-    (a 1.5B Q4_K_M target holds about 1.3 GB, not 3.1)."""
+    (a 1.5B Q4_K_M target holds about 1.3 GB, not 3.1). The same holds for a "g4" head's
+    packed Linears and lm_head: their group-packed weights are the only copy kept."""
     if weights not in PACKED_WEIGHTS:
         raise ValueError(f"unknown packed weights {weights!r}; known: {PACKED_WEIGHTS}")
     reason = cpu_kernel_blocker(module)
@@ -197,6 +198,12 @@ def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16",
     for lin in linears:  # the file's blocks serve every call (prefill too): the only copy kept
         if file_tensor(lin) is not None:
             lin.kernel = None
+    if weights == "g4":  # so does the group loop for a g4 head's quantized weights
+        for lin in linears:
+            if lin.kernel_packed is not None or id(lin) in grouped:
+                lin.kernel = None
+        if getattr(module, "lm_head", None) is not None and module.lm_head_packed is not None:
+            module.lm_head = None
     return module
 
 

@@ -356,6 +356,9 @@ def test_quantized_head_keeps_greedy_tokens_and_drafts_like_bf16(bits):
     assert quant.lm_head_packed[...].shape[-1] == lm_head_width
     linears = {"q7": 64, "q4": 32, "g4": kernels_cpu.G4_RECORD}[bits]
     assert {p.shape[-1] for p in packs} == {linears, lm_head_width}
+    if bits == "g4":  # the group loop serves every call, prefill too: its packs are the only copy kept
+        assert quant.lm_head is None
+        assert [path for path, n in nnx.iter_graph(quant) if isinstance(n, Linear) and n.kernel is not None] == []
     prenorm = _bf16(np.random.default_rng(4), (2, drafter.config.hidden_size))
     want, got = drafter.logits_from_prenorm(prenorm), quant.logits_from_prenorm(prenorm)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=0.05 * float(jnp.abs(want).max()))
