@@ -60,7 +60,7 @@ class Options(BaseModel):
                            "ngram: prompt lookup, no head; X+ngram: the lookup's drafts where the context "
                            "matches, the head's elsewhere")
     num_draft_tokens: int | None = Field(None, ge=1, le=32, description="drafts per round, K (default: the "
-                                         "fastest measured: 2 on CPU, 1 on AVX2-only CPUs, 3 elsewhere)")
+                                         "fastest measured: 2 on CPUs with AMX, 1 on other CPUs, 3 elsewhere)")
     dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="weights and activations (norms, "
                                                   "softmax and logits stay float32)")
     draft_cutoff: float | None = Field(None, ge=0.0, lt=1.0, description="eagle3 / peagle: verify only the "

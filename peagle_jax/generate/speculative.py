@@ -109,18 +109,19 @@ def default_draft_cutoff() -> float:
 def default_num_draft_tokens() -> int:
     """K when the caller gives none: the fastest measured with the shipped heads.
 
-    What K pays is what a verify row costs. With AVX512-BF16 or AMX each row costs about a tenth
-    of a decode step and the heads' third draft is accepted in a few percent of rounds: offline
+    What K pays is what a verify row costs. With AMX tiles each row costs about a tenth of a
+    decode step and the heads' third draft is accepted in a few percent of rounds: offline
     HumanEval (164 prompts, batch 1) ran P-EAGLE at 1.14x plain decoding with K=2 and 1.09x with
     K=3, and with the default draft cutoff (0.1) 1.17x against 1.15x (docs/usage.md, the K left
-    out). On CPUs whose kernels run the AVX2 loops, a row past the second costs about 85% of a
-    whole decode step's matmuls (docs/cpu-kernels.md), and K=1 beat K=2 on HumanEval and
-    MT-Bench (results/offline_qwen05_g4), so K=1 there. On an accelerator, where a few more rows
+    out). Without AMX a row costs far more (on the AVX2 loops a row past the second about 85% of
+    a decode step's matmuls, docs/cpu-kernels.md), and K=1 was the fastest on HumanEval and
+    MT-Bench both on an AVX2-only EPYC (results/offline_qwen05_g4) and on an AVX512-BF16 one
+    (results/offline_smollm2_ks_zen4), so K=1 there. On an accelerator, where a few more rows
     cost almost nothing, K=3: the heads accept next to nothing past their third draft.
     """
     if jax.default_backend() != "cpu":
         return 3
-    return 1 if kernels.cpu.instruction_set() == "avx2" else 2
+    return 2 if kernels.cpu.instruction_set() == "amx" else 1
 
 
 def speculative_generate(

@@ -129,9 +129,9 @@ def test_k_left_out_is_the_backends_measured_default(target, drafter, reference)
     from peagle_jax import kernels
     from peagle_jax.generate import default_draft_cutoff, default_num_draft_tokens
 
-    # CPU (this suite runs on CPU): K=1 where the kernels run the AVX2 loops, whose verify rows
-    # cost almost a decode step each (results/offline_qwen05_g4), else 2 (docs/usage.md)
-    k = 1 if kernels.cpu.instruction_set() == "avx2" else 2
+    # CPU (this suite runs on CPU): K=2 where the kernels run AMX tiles, whose verify rows cost
+    # a tenth of a decode step, else 1 (docs/usage.md, the K left out)
+    k = 2 if kernels.cpu.instruction_set() == "amx" else 1
     assert default_num_draft_tokens() == k
     assert default_draft_cutoff() == 0.1  # CPU: docs/notes/2026-12-05-session-27.md
     out = speculative_generate(target, drafter, PROMPTS, max_new_tokens=24, eos_token_ids=[EOS])
