@@ -113,7 +113,6 @@ def cpu_kernel_blocker(module: nnx.Module) -> str | None:
 PACKED_WEIGHTS = ("bf16", "q7", "q4", "g4")
 
 
-
 def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16",
                      file_weights: Mapping[str, GroupTensor] | None = None) -> nnx.Module:
     """Route the decode-sized matmuls of a bf16 model or drafter (every Linear and the lm_head)
@@ -195,15 +194,12 @@ def pack_cpu_matmuls(module: nnx.Module, weights: str = "bf16",
                 module.lm_head = None  # the blocks are its only copy (CausalLM.lm_head_weight)
         elif (head := module.lm_head_weight()).shape[1] % kernels.TILE == 0:
             module.lm_head_packed = PackedKernel(pack_head(head))
-    for lin in linears:  # the file's blocks serve every call (prefill too): the only copy kept
-        if file_tensor(lin) is not None:
+            if weights == "g4" and not tied:
+                module.lm_head = None  # the group loop serves every call: its pack is the only copy
+    for lin in linears:  # group-packed weights serve every call (prefill too): the only copy kept
+        served = lin.kernel_packed is not None or id(lin) in grouped
+        if file_tensor(lin) is not None or (weights == "g4" and served):
             lin.kernel = None
-    if weights == "g4":  # so does the group loop for a g4 head's quantized weights
-        for lin in linears:
-            if lin.kernel_packed is not None or id(lin) in grouped:
-                lin.kernel = None
-        if getattr(module, "lm_head", None) is not None and module.lm_head_packed is not None:
-            module.lm_head = None
     return module
 
 
