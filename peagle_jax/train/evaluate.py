@@ -2,6 +2,12 @@
 
     python -m peagle_jax.train.evaluate --run_dir ../runs/peagle_smollm2 [--head EXPORTED_DIR] \
         [--num_draft_tokens 5] [--prompts 16] [--max_new_tokens 128] [--batch 8]
+    python -m peagle_jax.train.evaluate --config configs/train/peagle_qwen05.yaml [--head EXPORTED_DIR]
+
+The run gives the target and the prompts. Its head is the run's latest checkpoint (`--run_dir`)
+or the state it committed to the repository (`--config`, a fresh machine with no run directory);
+`--head` measures an exported head instead, with the method its config says (P-EAGLE where it
+drafts in parallel, else EAGLE-3), so heads of different methods are compared on one run's prompts.
 
 Prompts are held out from training: for `data.source: generated` the first turns of the data
 folder's val split (`generate_data --split val`, prompts the training split never saw), else
@@ -21,8 +27,11 @@ import numpy as np
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m peagle_jax.train.evaluate")
-    p.add_argument("--run_dir", required=True)
-    p.add_argument("--head", default=None, help="an exported head directory (default: the run's latest checkpoint)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run_dir", help="a training run directory")
+    src.add_argument("--config", help="a training config (its committed state_dir: no run directory needed)")
+    p.add_argument("--head", default=None, help="an exported head directory (default: the run's latest checkpoint, "
+                   "or with --config its committed state)")
     p.add_argument("--num_draft_tokens", type=int, default=None)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max_new_tokens", type=int, default=128)
@@ -37,16 +46,19 @@ def main(argv=None):
     from peagle_jax.generate import speculative_generate
     from peagle_jax.train.config import TrainConfig
     from peagle_jax.train.data import encode_text, stdlib_function_prompts
-    from peagle_jax.train.export import load_trained
+    from peagle_jax.train.export import load_committed, load_trained
     from peagle_jax.train.features import load_target_and_tokenizer
 
-    cfg = TrainConfig.model_validate(yaml.safe_load((Path(a.run_dir) / "config.yaml").read_text()))
+    config = Path(a.config) if a.config else Path(a.run_dir) / "config.yaml"
+    cfg = TrainConfig.model_validate(yaml.safe_load(config.read_text()))
     target, tok, eos, _ = load_target_and_tokenizer(cfg)
-    if a.head:  # the run gives the target, the method and the prompts; the head is the file's
+    if a.head:  # the run gives the target and the prompts; the head and its method are the file's
         drafter, step = load_drafter(a.head, target=target), None
+        method = "peagle" if drafter.can_draft_parallel else "eagle3"
     else:
-        drafter, target, cfg, step = load_trained(a.run_dir, target=target)
-    method = cfg.objective.method
+        drafter, target, cfg, step = (load_committed(a.config, target=target) if a.config
+                                      else load_trained(a.run_dir, target=target))
+        method = cfg.objective.method
     k = a.num_draft_tokens or (cfg.objective.num_depths if method == "peagle" else cfg.objective.ttt_steps)
     if tok is None:
         rng = np.random.default_rng(123)

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from flax import nnx
 
-from peagle_jax.train import manifest
+from peagle_jax.train import evaluate, manifest
 from peagle_jax.train.committed import load_state, read_state_info, save_state
 from peagle_jax.train.config import load_config
 from peagle_jax.train.export import export, load_committed
@@ -31,7 +31,7 @@ def _cfg(tmp_path, run: str, **changes):
         "state_dir": str(tmp_path / "repo" / "state_peagle"), "state_every": 3, **changes})
 
 
-def test_a_fresh_machine_goes_on_from_the_committed_weights(tmp_path):
+def test_a_fresh_machine_goes_on_from_the_committed_weights(tmp_path, capsys):
     first = Trainer(_cfg(tmp_path, "machine_a", max_steps=4))
     first.run()  # states at steps 3 and 4 (the last step)
     info = read_state_info(tmp_path / "repo" / "state_peagle")
@@ -65,6 +65,11 @@ def test_a_fresh_machine_goes_on_from_the_committed_weights(tmp_path):
     assert made["training"]["steps"] == 8 and made["held_out"] is None
     assert made["drafter"]["draft_vocab_size"] == len(first.draft_ids)
     assert set(made["files"]) == {"config.json", "model.safetensors"}
+    # its held-out acceptance, from the committed state alone (machine C: `evaluate --config`)
+    evaluate.main(["--config", str(config), "--prompts", "1", "--max_new_tokens", "4"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["step"] == 8 and out["method"] == "peagle" and out["num_draft_tokens"] == 3
+    assert 1.0 <= out["mean_acceptance_length"] <= 4.0
 
 
 def test_a_damaged_or_foreign_state_is_refused(tmp_path):

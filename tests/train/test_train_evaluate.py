@@ -112,7 +112,7 @@ def test_evaluates_the_latest_checkpoint_on_seeded_prompts_in_batches(run, calls
 
 def test_acceptance_of_an_oracle_head_is_the_hand_computed_one(run, calls, capsys, monkeypatch):
     cfg, _ = run
-    sentinel = object()
+    sentinel = SimpleNamespace(can_draft_parallel=True)  # a P-EAGLE head: the run's method
     monkeypatch.setattr(drafter_io, "load_drafter", lambda path, target: sentinel if path == "HEAD" else None)
     calls.oracle = 4  # wrong exactly at output positions p = 3, 7, 11, ...
     out = _evaluate(capsys, "--run_dir", cfg.run_dir, "--head", "HEAD", "--prompts", "2", "--batch", "1",
@@ -128,9 +128,17 @@ def test_acceptance_of_an_oracle_head_is_the_hand_computed_one(run, calls, capsy
     assert out["step"] is None and out["head"] == "HEAD"  # the head's, not the run's latest checkpoint
 
 
+def test_a_head_is_measured_with_its_own_method_on_the_runs_prompts(run, calls, capsys, monkeypatch):
+    cfg, _ = run  # a P-EAGLE run; the head drafts sequentially, so it is measured as EAGLE-3
+    monkeypatch.setattr(drafter_io, "load_drafter", lambda path, target: SimpleNamespace(can_draft_parallel=False))
+    calls.results = [SimpleNamespace(total_rounds=2, accepted_per_position=np.array([1, 0, 0]))]
+    out = _evaluate(capsys, "--run_dir", cfg.run_dir, "--head", "EAGLE3", "--prompts", "1")
+    assert calls[0][2]["method"] == "eagle3" and out["method"] == "eagle3"
+
+
 def test_cli_module_path():
     p = subprocess.run([sys.executable, "-m", "peagle_jax.train.evaluate", "--help"], capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 0 and "usage: python -m peagle_jax.train.evaluate" in p.stdout
     p = subprocess.run([sys.executable, "-m", "peagle_jax.train.evaluate"], capture_output=True, text=True, timeout=60)
-    assert p.returncode == 2 and "--run_dir" in p.stderr
+    assert p.returncode == 2 and "--run_dir" in p.stderr and "--config" in p.stderr
