@@ -236,29 +236,33 @@ def test_export_gives_a_head_the_vocabulary_of_generated_answers(tmp_path):
         export_main(["--head", str(head), "--out", str(tmp_path / "y"), "--vocab-from", str(tmp_path)])
 
 
-def test_the_qwen_coder_05b_peagle_head_ships_whole_and_matches_its_manifest():
-    # 185 MB in bf16, so HF shards with an index (drafter_io.save_drafter); the manifest covers them all
+@pytest.mark.parametrize(("method", "layers"), [("peagle", 4), ("eagle3", 1)])
+def test_the_qwen_coder_05b_heads_ship_whole_and_match_their_manifests(method, layers):
+    # over 20 MiB in bf16, so HF shards with an index (drafter_io.save_drafter); the manifest covers them all
     import json
 
     from peagle_jax.checkpoints.default_model import shipped_drafter_path
     from peagle_jax.train.manifest import sha256_file
 
-    head = shipped_drafter_path("qwen2.5-coder-0.5b-instruct", "peagle")
-    assert head is not None and head.name == "qwen2.5-coder-0.5b-peagle"
+    head = shipped_drafter_path("qwen2.5-coder-0.5b-instruct", method)
+    assert head is not None and head.name == f"qwen2.5-coder-0.5b-{method}"
     config = json.loads((head / "config.json").read_text())
-    assert config["parallel_drafting"] and config["num_hidden_layers"] == 4 and config["hidden_size"] == 896
+    assert bool(config.get("parallel_drafting")) == (method == "peagle")
+    assert config["num_hidden_layers"] == layers and config["hidden_size"] == 896
     index = json.loads((head / "model.safetensors.index.json").read_text())
     shards = set(index["weight_map"].values())
-    assert {"lm_head.weight", "d2t", "fc.weight", "mask_hidden"} <= set(index["weight_map"])
+    assert {"lm_head.weight", "d2t", "fc.weight"} <= set(index["weight_map"])
+    assert ("mask_hidden" in index["weight_map"]) == (method == "peagle")
     manifest = json.loads((head / "manifest.json").read_text())
     assert set(manifest["files"]) == shards | {"config.json", "model.safetensors.index.json"}
     recorded = {n: v["sha256"] for n, v in manifest["files"].items()}
     assert {n: sha256_file(head / n) for n in recorded} == recorded
-    assert manifest["method"] == "peagle" and manifest["tokens_read"]["answer_tokens"] >= 1_000_000
+    assert manifest["method"] == method and manifest["tokens_read"]["answer_tokens"] >= 1_000_000
 
 
 @pytest.mark.slow
-def test_load_picks_up_the_qwen_coder_05b_head_and_stays_exact():
+@pytest.mark.parametrize(("method", "layers"), [("peagle", 4), ("eagle3", 1)])
+def test_load_picks_up_the_qwen_coder_05b_heads_and_stays_exact(method, layers):
     from peagle_jax import load
     from peagle_jax.checkpoints.default_model import resolve_model_path
 
@@ -267,9 +271,9 @@ def test_load_picks_up_the_qwen_coder_05b_head_and_stays_exact():
     except FileNotFoundError as e:
         pytest.skip(f"qwen2.5-coder-0.5b-instruct is not installed (bash scripts/setup.sh --model "
                     f"qwen2.5-coder-0.5b-instruct): {e}")
-    spec = load("qwen2.5-coder-0.5b-instruct", method="peagle")
-    assert spec.drafter is not None and spec.drafter.config.num_hidden_layers == 4
-    assert spec.method == "peagle"
+    spec = load("qwen2.5-coder-0.5b-instruct", method=method)
+    assert spec.drafter is not None and spec.drafter.config.num_hidden_layers == layers
+    assert spec.method == method
     plain = load("qwen2.5-coder-0.5b-instruct", method="none")
     ids = spec.encode_chat("Write a Python function that returns the n-th Fibonacci number.")
     out = spec.generate([ids], max_new_tokens=48, num_draft_tokens=3)
