@@ -50,15 +50,20 @@ def main(argv=None):
     from peagle_jax.train.features import load_target_and_tokenizer
 
     config = Path(a.config) if a.config else Path(a.run_dir) / "config.yaml"
+    if not config.is_file():
+        p.error(f"{config} does not exist" + ("" if a.config else " (--run_dir names a training run directory)"))
     cfg = TrainConfig.model_validate(yaml.safe_load(config.read_text()))
     target, tok, eos, _ = load_target_and_tokenizer(cfg)
-    if a.head:  # the run gives the target and the prompts; the head and its method are the file's
-        drafter, step = load_drafter(a.head, target=target), None
-        method = "peagle" if drafter.can_draft_parallel else "eagle3"
-    else:
-        drafter, target, cfg, step = (load_committed(a.config, target=target) if a.config
-                                      else load_trained(a.run_dir, target=target))
-        method = cfg.objective.method
+    try:
+        if a.head:  # the run gives the target and the prompts; the head and its method are the file's
+            drafter, step = load_drafter(a.head, target=target), None
+            method = "peagle" if drafter.can_draft_parallel else "eagle3"
+        else:
+            drafter, target, cfg, step = (load_committed(a.config, target=target) if a.config
+                                          else load_trained(a.run_dir, target=target))
+            method = cfg.objective.method
+    except FileNotFoundError as e:  # no head there, no committed state, no checkpoint
+        p.error(str(e))
     k = a.num_draft_tokens or (cfg.objective.num_depths if method == "peagle" else cfg.objective.ttt_steps)
     if tok is None:
         rng = np.random.default_rng(123)

@@ -84,8 +84,11 @@ def test_a_damaged_or_foreign_state_is_refused(tmp_path):
         load_state(tmp_path, like)
 
 
-def test_export_names_a_config_without_a_committed_state(tmp_path):
+def test_export_names_a_config_without_a_committed_state(tmp_path, capsys):
     config = tmp_path / "peagle.yaml"
     config.write_text(yaml.safe_dump(_cfg(tmp_path, "run").model_dump()))
     with pytest.raises(FileNotFoundError, match="no committed state"):
         load_committed(config)
+    with pytest.raises(SystemExit):  # evaluate says so too, as a usage error
+        evaluate.main(["--config", str(config)])
+    assert "no committed state" in capsys.readouterr().err

@@ -142,3 +142,6 @@ def test_cli_module_path():
     assert p.returncode == 0 and "usage: python -m peagle_jax.train.evaluate" in p.stdout
     p = subprocess.run([sys.executable, "-m", "peagle_jax.train.evaluate"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "--run_dir" in p.stderr and "--config" in p.stderr
+    p = subprocess.run([sys.executable, "-m", "peagle_jax.train.evaluate", "--config", "no/such.yaml"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "no/such.yaml does not exist" in p.stderr and "Traceback" not in p.stderr
