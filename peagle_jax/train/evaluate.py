@@ -42,6 +42,7 @@ def main(argv=None):
 
     import yaml
 
+    from peagle_jax.api import method_for
     from peagle_jax.checkpoints.drafter_io import load_drafter
     from peagle_jax.generate import speculative_generate
     from peagle_jax.train.config import TrainConfig
@@ -57,7 +58,7 @@ def main(argv=None):
     try:
         if a.head:  # the run gives the target and the prompts; the head and its method are the file's
             drafter, step = load_drafter(a.head, target=target), None
-            method = "peagle" if drafter.can_draft_parallel else "eagle3"
+            method = method_for(drafter)
         else:
             drafter, target, cfg, step = (load_committed(a.config, target=target) if a.config
                                           else load_trained(a.run_dir, target=target))

@@ -73,6 +73,11 @@ def calls(monkeypatch):
     return seen
 
 
+def _head(parallel: bool) -> SimpleNamespace:
+    """A stand-in head that `api.method_for` reads as P-EAGLE (parallel) or EAGLE-3."""
+    return SimpleNamespace(uses_features=True, config=SimpleNamespace(parallel_drafting=parallel))
+
+
 def _evaluate(capsys, *argv) -> dict:
     evaluate.main(list(argv))
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -112,7 +117,7 @@ def test_evaluates_the_latest_checkpoint_on_seeded_prompts_in_batches(run, calls
 
 def test_acceptance_of_an_oracle_head_is_the_hand_computed_one(run, calls, capsys, monkeypatch):
     cfg, _ = run
-    sentinel = SimpleNamespace(can_draft_parallel=True)  # a P-EAGLE head: the run's method
+    sentinel = _head(parallel=True)  # a P-EAGLE head: the run's method
     monkeypatch.setattr(drafter_io, "load_drafter", lambda path, target: sentinel if path == "HEAD" else None)
     calls.oracle = 4  # wrong exactly at output positions p = 3, 7, 11, ...
     out = _evaluate(capsys, "--run_dir", cfg.run_dir, "--head", "HEAD", "--prompts", "2", "--batch", "1",
@@ -130,7 +135,7 @@ def test_acceptance_of_an_oracle_head_is_the_hand_computed_one(run, calls, capsy
 
 def test_a_head_is_measured_with_its_own_method_on_the_runs_prompts(run, calls, capsys, monkeypatch):
     cfg, _ = run  # a P-EAGLE run; the head drafts sequentially, so it is measured as EAGLE-3
-    monkeypatch.setattr(drafter_io, "load_drafter", lambda path, target: SimpleNamespace(can_draft_parallel=False))
+    monkeypatch.setattr(drafter_io, "load_drafter", lambda path, target: _head(parallel=False))
     calls.results = [SimpleNamespace(total_rounds=2, accepted_per_position=np.array([1, 0, 0]))]
     out = _evaluate(capsys, "--run_dir", cfg.run_dir, "--head", "EAGLE3", "--prompts", "1")
     assert calls[0][2]["method"] == "eagle3" and out["method"] == "eagle3"
