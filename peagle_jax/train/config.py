@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class _Frozen(BaseModel):
@@ -220,6 +220,15 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 
 
 def config_from_argv(argv: Sequence[str]) -> TrainConfig:
-    path, over = parse_overrides(argv)
-    return load_config(path, over)
+    """The config an entry point's command line names. A missing or unreadable file, an unknown
+    key or a bad value exits with one line naming it, not a traceback."""
+    try:
+        path, over = parse_overrides(argv)
+        return load_config(path, over)
+    except ValidationError as e:
+        why = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']} (got {err['input']!r})"
+                        for err in e.errors())
+        raise SystemExit(f"config: {why}") from None
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise SystemExit(f"config: {e}") from None
 

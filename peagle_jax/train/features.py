@@ -383,7 +383,10 @@ def extraction_target(cfg: TrainConfig, target, log=print):
 
 def main(argv=None):
     cfg = config_from_argv(sys.argv[1:] if argv is None else argv)
-    ensure_features(cfg)
+    try:
+        ensure_features(cfg)
+    except FileNotFoundError as e:  # data the config names (the message says which)
+        raise SystemExit(f"features: {e}") from None
 
 
 if __name__ == "__main__":

@@ -537,7 +537,11 @@ class Trainer:
 
 def main(argv=None):
     cfg = config_from_argv(sys.argv[1:] if argv is None else argv)
-    Trainer(cfg).run()
+    try:
+        trainer = Trainer(cfg)
+    except FileNotFoundError as e:  # data or a head the config names (the message says which)
+        raise SystemExit(f"train: {e}") from None
+    trainer.run()
 
 
 if __name__ == "__main__":

@@ -55,6 +55,30 @@ def test_config_overrides(tmp_path):
         TrainConfig.model_validate(__import__("yaml").safe_load(f.read_text()))
 
 
+
+def test_cli_bad_input_is_one_line_not_a_traceback(tmp_path):
+    """A missing config, an unknown key, a bad value or data that is not there: the entry
+    points exit with a message naming it."""
+    from peagle_jax.train import features, train
+
+    y = tmp_path / "c.yaml"
+    y.write_text(f"run_dir: {tmp_path / 'run'}\n")
+    cases = [(["--config", str(tmp_path / "nope.yaml")], "config: .*nope.yaml"),
+             (["--config", str(y), "optim.nope=1"], "config: .*optim.nope"),
+             (["--config", str(y), "optim.lr=fast"], "config: .*optim.lr"),
+             (["--config", str(y), "stray"], "config: cannot parse argument 'stray'")]
+    for argv, match in cases:
+        for entry in (train.main, features.main):
+            with pytest.raises(SystemExit, match=match):
+                entry(argv)
+    no_data = ["--config", str(y), "data.source=generated", f"data.generated_dir={tmp_path / 'empty'}",
+               "data.features=online", "model.random_target={vocab_size: 64, hidden_size: 32, "
+               "intermediate_size: 64, num_hidden_layers: 4, num_attention_heads: 4, num_key_value_heads: 2, "
+               "head_dim: 8, max_position_embeddings: 256}"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="train: .*empty holds no train shards; write them first"):
+        train.main(no_data)
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["peagle"])
 def test_resume_after_crash_gives_same_losses(tmp_path, method):
