@@ -13,6 +13,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from peagle_jax.options import settings_error
+
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -226,9 +228,7 @@ def config_from_argv(argv: Sequence[str]) -> TrainConfig:
         path, over = parse_overrides(argv)
         return load_config(path, over)
     except ValidationError as e:
-        why = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']} (got {err['input']!r})"
-                        for err in e.errors())
-        raise SystemExit(f"config: {why}") from None
+        raise SystemExit(f"config: {settings_error(e)}") from None
     except (OSError, ValueError, yaml.YAMLError) as e:
         raise SystemExit(f"config: {e}") from None
 

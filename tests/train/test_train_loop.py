@@ -55,7 +55,6 @@ def test_config_overrides(tmp_path):
         TrainConfig.model_validate(__import__("yaml").safe_load(f.read_text()))
 
 
-
 def test_cli_bad_input_is_one_line_not_a_traceback(tmp_path):
     """A missing config, an unknown key, a bad value or data that is not there: the entry
     points exit with a message naming it."""
@@ -72,12 +71,11 @@ def test_cli_bad_input_is_one_line_not_a_traceback(tmp_path):
             with pytest.raises(SystemExit, match=match):
                 entry(argv)
     no_data = ["--config", str(y), "data.source=generated", f"data.generated_dir={tmp_path / 'empty'}",
-               "data.features=online", "model.random_target={vocab_size: 64, hidden_size: 32, "
-               "intermediate_size: 64, num_hidden_layers: 4, num_attention_heads: 4, num_key_value_heads: 2, "
-               "head_dim: 8, max_position_embeddings: 256}"]
+               "data.features=online", f"model.random_target={json.dumps(TINY)}"]
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="train: .*empty holds no train shards; write them first"):
         train.main(no_data)
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["peagle"])
