@@ -153,18 +153,17 @@ def test_shipped_heads_carry_their_lm_head_and_match_their_manifest(method):
     import json
 
     import numpy as np
-    from safetensors import safe_open
 
     from peagle_jax.checkpoints import load_target
     from peagle_jax.checkpoints.default_model import default_drafter_path, default_model_path
+    from peagle_jax.checkpoints.drafter_io import read_tensors
     from peagle_jax.train.manifest import sha256_file
 
     head = default_drafter_path(method)
-    with safe_open(head / "model.safetensors", "np") as f:
-        assert f.get_slice("lm_head.weight").get_dtype() == "BF16"
-        draft_ids = np.arange(f.get_slice("lm_head.weight").get_shape()[0]) + f.get_tensor("d2t")
-    with safe_open(head / "model.safetensors", "flax") as f:
-        lm_head = np.asarray(f.get_tensor("lm_head.weight"), np.float32)
+    tensors = read_tensors(head)  # one file or HF shards
+    assert str(tensors["lm_head.weight"].dtype) == "bfloat16"
+    draft_ids = np.arange(tensors["lm_head.weight"].shape[0]) + tensors["d2t"]
+    lm_head = np.asarray(tensors["lm_head.weight"], np.float32)
     target = load_target(default_model_path(), dtype="bfloat16")
     expected = np.asarray(target.lm_head_weight(), np.float32)[:, draft_ids].T
     np.testing.assert_array_equal(lm_head, expected)
@@ -200,10 +199,10 @@ def test_export_gives_a_head_the_vocabulary_of_generated_answers(tmp_path):
     import json
 
     import numpy as np
-    from safetensors import safe_open
 
     from peagle_jax.checkpoints import load_target
     from peagle_jax.checkpoints.default_model import default_drafter_path, default_model_path
+    from peagle_jax.checkpoints.drafter_io import read_tensors
     from peagle_jax.train.export import main as export_main
 
     rng = np.random.default_rng(0)
@@ -220,16 +219,15 @@ def test_export_gives_a_head_the_vocabulary_of_generated_answers(tmp_path):
     export_main(["--head", str(head), "--out", str(out), "--vocab-from", str(data), "--draft-vocab-size", "302"])
     config = json.loads((out / "config.json").read_text())
     assert config["draft_vocab_size"] == 302
-    with safe_open(head / "model.safetensors", "np") as a, safe_open(out / "model.safetensors", "np") as b:
-        ids = np.arange(302) + b.get_tensor("d2t")
-        extra = set(ids.tolist()) - set(common.tolist())  # every response token, EOS, no prompt token
-        assert len(extra) == 2 and 2 in extra and extra <= {0, 1, 2}
-        target = load_target(default_model_path(), dtype="bfloat16")
-        expected = np.asarray(target.lm_head_weight(), np.float32)[:, ids].T
-        np.testing.assert_array_equal(np.asarray(b.get_tensor("lm_head.weight"), np.float32), expected)
-        for k in set(a.keys()) - {"d2t", "t2d", "lm_head.weight"}:
-            np.testing.assert_array_equal(np.asarray(a.get_tensor(k), np.float32),
-                                          np.asarray(b.get_tensor(k), np.float32), err_msg=k)
+    a, b = read_tensors(head), read_tensors(out)  # one file or HF shards
+    ids = np.arange(302) + b["d2t"]
+    extra = set(ids.tolist()) - set(common.tolist())  # every response token, EOS, no prompt token
+    assert len(extra) == 2 and 2 in extra and extra <= {0, 1, 2}
+    target = load_target(default_model_path(), dtype="bfloat16")
+    expected = np.asarray(target.lm_head_weight(), np.float32)[:, ids].T
+    np.testing.assert_array_equal(np.asarray(b["lm_head.weight"], np.float32), expected)
+    for k in set(a) - {"d2t", "t2d", "lm_head.weight"}:
+        np.testing.assert_array_equal(np.asarray(a[k], np.float32), np.asarray(b[k], np.float32), err_msg=k)
     with pytest.raises(SystemExit):
         export_main(["--head", str(head), "--out", str(tmp_path / "x"), "--draft-vocab-size", "10"])
     with pytest.raises(FileNotFoundError, match="holds no train shards"):

@@ -401,11 +401,12 @@ def save_drafter(
 # --------------------------------------------------------------------------- load
 
 
-def _read_tensors(model_dir: Path) -> dict[str, np.ndarray]:
+def read_tensors(model_dir: str | Path) -> dict[str, np.ndarray]:
+    """Every tensor a head directory holds (one file or HF shards); bf16 as ml_dtypes.bfloat16."""
     from peagle_jax.checkpoints.hf import _safetensors_files
 
     named: dict[str, np.ndarray] = {}
-    for f in _safetensors_files(model_dir):
+    for f in _safetensors_files(Path(model_dir)):
         with safe_open(str(f), framework="numpy") as fh:  # bf16 comes back as ml_dtypes.bfloat16
             for key in fh.keys():
                 named[key] = fh.get_tensor(key)
@@ -673,7 +674,7 @@ def load_drafter(path: str | Path, *, target=None, dtype: str = "float32") -> Ea
     _check_config_present(model_dir)
     source = str(model_dir)
     raw = json.loads((model_dir / CONFIG_NAME).read_text())
-    named = _read_tensors(model_dir)
+    named = read_tensors(model_dir)
     cfg = _parse_config(raw, named, dtype, source)
     if target is not None:
         _check_target(target, cfg, source)
